@@ -1,0 +1,228 @@
+"""The ``redbatch`` command: worker and submit.
+
+Every option can also be set by the ``REDBATCH_*`` variable shown in
+``--help``. Options only parse; :func:`build_settings` turns them into the
+one :class:`Settings` object that the worker receives.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+from typing import Any, TypeVar
+
+import click
+from redbatch import __version__
+from redbatch.common.config import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_INFLIGHT,
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_MAX_WAIT_MS,
+    DEFAULT_MODEL,
+    DEFAULT_REDIS_URL,
+    BatchSettings,
+    LimitSettings,
+    ModelSettings,
+    PoolSettings,
+    RedisSettings,
+    Settings,
+    default_consumer_name,
+    default_pool_processes,
+    model_name_from_spec,
+)
+from redbatch.common.logs import setup_logging
+from redbatch.common.protocol import DEFAULT_PREFIX, Lane
+
+logger = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+
+HELP = """redbatch: dynamic-batching PyTorch inference over Redis streams.
+
+\b
+Start a worker for the default model (EfficientNet-Lite0, ImageNet):
+  redbatch worker --redis redis://localhost:6379/0
+Classify photos and print one JSON line per file:
+  redbatch submit --wait --redis redis://localhost:6379/0 cat.jpg photos/
+Without --redis (and no REDBATCH_REDIS_URL), submit starts a private
+redis-server and a local worker, and stops both when done.
+"""
+
+
+def _opt(*names: str, env: str, **kw: Any) -> Callable[[F], F]:
+    return click.option(*names, envvar=f"REDBATCH_{env}", show_envvar=True,
+                        show_default=True, **kw)
+
+
+def _common_options(f: F) -> F:
+    for option in reversed([
+        _opt("--redis", "redis_url", env="REDIS_URL", default=None,
+             help="Redis URL, e.g. redis://host:6379/0 or unix:///path/redis.sock."),
+        _opt("--prefix", env="PREFIX", default=DEFAULT_PREFIX, help="Prefix of every Redis key."),
+        _opt("--model", "model_spec", env="MODEL", default=DEFAULT_MODEL,
+             help="Built-in model name, TorchScript file (*.pt), or 'package.module:factory'."),
+        _opt("--model-name", env="MODEL_NAME", default="",
+             help="Name the model is served under (its Redis keys); default: from --model."),
+        _opt("--log-level", env="LOG_LEVEL", default="INFO",
+             type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False)),
+    ]):
+        f = option(f)
+    return f
+
+
+@click.group(help=HELP)
+@click.version_option(__version__, prog_name="redbatch")
+def main() -> None:
+    pass
+
+
+# ---------------------------------------------------------------------------- worker
+
+
+@main.command()
+@_common_options
+@_opt("--device", env="DEVICE", default="auto", help="auto, cpu, cuda or cuda:N.")
+@_opt("--max-batch-size", env="MAX_BATCH_SIZE", type=click.IntRange(min=1),
+      default=DEFAULT_MAX_BATCH_SIZE, help="Largest batch given to the model.")
+@_opt("--max-wait-ms", env="MAX_WAIT_MS", type=click.FloatRange(min=0),
+      default=DEFAULT_MAX_WAIT_MS,
+      help="Longest the oldest request waits for its batch to fill, ms.")
+@_opt("--max-inflight", env="MAX_INFLIGHT", type=click.IntRange(min=1),
+      default=DEFAULT_MAX_INFLIGHT,
+      help="Jobs read but not yet answered (= shared-memory slots).")
+@_opt("--pool-processes", env="POOL_PROCESSES", type=click.IntRange(min=1),
+      default=default_pool_processes(), help="Preprocessing processes (default: cores - 1).")
+@_opt("--torch-threads", env="TORCH_THREADS", type=click.IntRange(min=0), default=0,
+      help="Torch intra-op threads on CPU; 0: cores minus pool processes.")
+@_opt("--consumer", env="CONSUMER", default="",
+      help="Consumer name in the group; set a stable one to re-read own pending jobs "
+           "after a restart (default: host-pid-random).")
+@_opt("--result-ttl-s", env="RESULT_TTL_S", type=click.IntRange(min=1), default=600,
+      help="Seconds a result is kept for its client.")
+@_opt("--max-payload-bytes", env="MAX_PAYLOAD_BYTES", type=click.IntRange(min=1),
+      default=DEFAULT_MAX_PAYLOAD_BYTES, help="Largest accepted payload.")
+@_opt("--max-image-pixels", env="MAX_IMAGE_PIXELS", type=click.IntRange(min=1),
+      default=DEFAULT_MAX_IMAGE_PIXELS, help="Largest accepted image, in pixels.")
+@_opt("--burst", env="BURST", is_flag=True, default=False,
+      help="Exit once the streams are empty and every job is answered.")
+def worker(**options: Any) -> None:
+    """Serve a model: read jobs, batch them, write results."""
+    setup_logging(options["log_level"])
+    settings = build_settings(options)
+    from redbatch.gpu_worker.loop import Worker
+
+    w = Worker(settings)
+    with _signals_stop(w.stop, w.abort):
+        w.run()
+
+
+def build_settings(options: dict[str, Any]) -> Settings:
+    """The one Settings object, from parsed CLI options (flags or REDBATCH_* variables)."""
+    spec = options["model_spec"]
+    return Settings(
+        redis=RedisSettings.from_dsn(options["redis_url"] or DEFAULT_REDIS_URL,
+                                     options["prefix"]),
+        batch=BatchSettings(options["max_batch_size"], options["max_wait_ms"],
+                            max(options["max_inflight"], options["max_batch_size"])),
+        pool=PoolSettings(processes=options["pool_processes"]),
+        limits=LimitSettings(max_payload_bytes=options["max_payload_bytes"],
+                             max_image_pixels=options["max_image_pixels"]),
+        model=ModelSettings(spec=spec, name=options["model_name"] or model_name_from_spec(spec),
+                            device=options["device"], torch_threads=options["torch_threads"]),
+        consumer=options["consumer"] or default_consumer_name(),
+        result_ttl_s=options["result_ttl_s"],
+        burst=options["burst"],
+    )
+
+
+@contextmanager
+def _signals_stop(stop: Callable[[], None], abort: Callable[[], None]) -> Iterator[None]:
+    """First SIGINT/SIGTERM: graceful stop; second: abort."""
+    seen = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        seen.append(signum)
+        logger.warning("signal %s: %s", signum, "stopping" if len(seen) == 1 else "aborting")
+        (stop if len(seen) == 1 else abort)()
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+# ---------------------------------------------------------------------------- submit
+
+
+def expand_inputs(paths: tuple[str, ...]) -> Iterator[Path]:
+    """Files as given; directories walked recursively for image files, sorted."""
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            yield from sorted(p for p in path.rglob("*")
+                              if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        else:
+            yield path
+
+
+@main.command()
+@_common_options
+@click.argument("files", nargs=-1, required=True, type=click.Path())
+@click.option("--wait/--no-wait", default=False, help="Wait for and print each result.")
+@_opt("--timeout-s", env="TIMEOUT_S", type=click.FloatRange(min=0.001), default=60.0,
+      help="Deadline of each job and how long to wait for it, seconds.")
+@_opt("--lane", env="LANE", type=click.Choice([lane.value for lane in Lane]),
+      default=Lane.INTERACTIVE.value, help="Which lane the jobs go to.")
+def submit(files: tuple[str, ...], wait: bool, timeout_s: float, lane: str,
+           **options: Any) -> None:
+    """Submit image FILES (or folders of images); print one JSON line per file."""
+    setup_logging(options["log_level"])
+    from redbatch.producer.submit import submit_files
+
+    name = options["model_name"] or model_name_from_spec(options["model_spec"])
+    paths = list(expand_inputs(files))
+    if options["redis_url"]:
+        ok = submit_files(options["redis_url"], paths, model=name, prefix=options["prefix"],
+                          wait=wait, timeout_s=timeout_s, lane=lane)
+    else:
+        ok = _submit_with_local_stack(paths, name, options, wait, timeout_s, lane)
+    sys.exit(0 if ok else 1)
+
+
+def _submit_with_local_stack(paths: list[Path], name: str, options: dict[str, Any],
+                             wait: bool, timeout_s: float, lane: str) -> bool:
+    from redbatch.common.local_stack import LocalStack
+    from redbatch.producer.submit import submit_files
+
+    with _signals_raise(), LocalStack(options["model_spec"], name, options["prefix"]) as stack:
+        stack.wait_ready()
+        # The private stack goes away when we return, so results are always awaited.
+        return submit_files(stack.url, paths, model=name, prefix=options["prefix"],
+                            wait=True, timeout_s=timeout_s, lane=lane)
+
+
+@contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGTERM behaves like Ctrl-C, so the local stack is torn down on both."""
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    main()

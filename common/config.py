@@ -1,0 +1,148 @@
+"""One typed settings object for a worker, built once from CLI flags and REDBATCH_* variables.
+
+``common/cli.py`` builds :class:`Settings`; everything else receives it (or
+one of its parts) as an argument. Child processes get a copy and make their
+own Redis connections from it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from redbatch.common.protocol import DEFAULT_PREFIX, validate_name
+
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+DEFAULT_MODEL = "efficientnet_lite0"
+DEFAULT_MAX_BATCH_SIZE = 8
+DEFAULT_MAX_WAIT_MS = 5.0
+DEFAULT_MAX_INFLIGHT = 64
+DEFAULT_MAX_PAYLOAD_BYTES = 20 * 1024 * 1024
+DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class RedisSettings:
+    url: str = DEFAULT_REDIS_URL
+    #: Namespace of every key; two deployments can share one Redis with different prefixes.
+    prefix: str = DEFAULT_PREFIX
+    #: Socket timeout of non-blocking commands, seconds.
+    socket_timeout_s: float = 10.0
+
+    @classmethod
+    def from_dsn(cls, url: str, prefix: str = DEFAULT_PREFIX) -> RedisSettings:
+        scheme = urlsplit(url).scheme
+        if scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"unsupported Redis URL scheme {scheme!r} in {url!r}")
+        return cls(url=url, prefix=validate_name(prefix, "prefix"))
+
+    def __repr__(self) -> str:
+        # Never log a password that the URL may carry.
+        return f"RedisSettings(url={_redact(self.url)!r}, prefix={self.prefix!r})"
+
+
+def _redact(url: str) -> str:
+    return re.sub(r"//([^:@/]*):[^@/]*@", r"//\1:***@", url)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSettings:
+    #: Largest batch handed to the model.
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    #: How long the oldest waiting request may wait for the batch to fill, ms.
+    max_wait_ms: float = DEFAULT_MAX_WAIT_MS
+    #: Jobs read from Redis but not yet answered (bounds memory and shared-memory slots).
+    max_inflight: int = DEFAULT_MAX_INFLIGHT
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        if self.max_wait_ms < 0:
+            raise ValueError("max_wait_ms must be >= 0")
+        if self.max_inflight < self.max_batch_size:
+            raise ValueError("max_inflight must be >= max_batch_size")
+
+
+def default_pool_processes() -> int:
+    """Cores minus one for the inference thread, at least one."""
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    #: Preprocessing processes; default: cores - 1, at least 1.
+    processes: int = field(default_factory=default_pool_processes)
+    #: How a pool process is started; spawn never copies the worker's threads or sockets.
+    start_method: str = "spawn"
+    #: Times a job is retried after the pool process handling it died.
+    crash_retries: int = 1
+
+    def __post_init__(self) -> None:
+        if self.processes < 1:
+            raise ValueError("pool processes must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class LimitSettings:
+    #: Largest accepted payload, bytes.
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    #: Largest decoded image, pixels (width x height); bigger is a decompression bomb.
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    #: Longest accepted image side, pixels.
+    max_image_side: int = 16_384
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSettings:
+    #: Built-in model name, a TorchScript file (*.pt) or a factory 'package.module:callable'.
+    spec: str = DEFAULT_MODEL
+    #: Name under which the model is served (its Redis keys); derived from spec when empty.
+    name: str = ""
+    #: auto, cpu, cuda or cuda:N.
+    device: str = "auto"
+    #: Intra-op threads of torch on CPU; 0 means cores minus pool processes.
+    torch_threads: int = 0
+
+    @property
+    def served_name(self) -> str:
+        return validate_name(self.name or model_name_from_spec(self.spec))
+
+
+def model_name_from_spec(spec: str) -> str:
+    """'pkg.mod:build' -> 'build', '/x/resnet.pt' -> 'resnet', 'efficientnet_lite0' as is."""
+    if ":" in spec and not spec.endswith(".pt"):
+        base = spec.rsplit(":", 1)[1]
+    else:
+        base = Path(spec).stem if spec.endswith((".pt", ".pth", ".ts")) else spec
+    return re.sub(r"[^A-Za-z0-9_.\-]", "_", base)[:64] or "model"
+
+
+def default_consumer_name() -> str:
+    """Unique per process, readable in XINFO CONSUMERS: host-pid-random."""
+    return f"{socket.gethostname()[:40]}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything a worker needs; logged (redacted) at start."""
+
+    redis: RedisSettings = field(default_factory=RedisSettings)
+    batch: BatchSettings = field(default_factory=BatchSettings)
+    pool: PoolSettings = field(default_factory=PoolSettings)
+    limits: LimitSettings = field(default_factory=LimitSettings)
+    model: ModelSettings = field(default_factory=ModelSettings)
+    #: Consumer name in the group; unique per worker process.
+    consumer: str = field(default_factory=default_consumer_name)
+    #: Seconds a result is kept for its client to collect.
+    result_ttl_s: int = 600
+    #: How long one XREADGROUP blocks when idle, ms (bounds shutdown latency).
+    block_ms: int = 500
+    #: Exit once the streams are drained and nothing is in flight (tests, batch jobs).
+    burst: bool = False
+    #: Seconds a graceful shutdown may take to finish in-flight batches.
+    shutdown_grace_s: float = 30.0

@@ -1,0 +1,114 @@
+"""Worker processes started from Python, and a private Redis plus one local worker.
+
+The private stack is what commands use when no Redis is configured; the
+worker-process helpers are shared with the tests. Everything started here is
+stopped on exit, also on Ctrl-C: the worker gets SIGTERM (it drains and
+unlinks its shared memory), then SIGKILL if it hangs; the Redis server and
+its temporary directory go last.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from types import TracebackType
+
+import redis
+from redbatch.common.protocol import GROUP, Keys
+from redbatch.common.redis_server import RedisServer
+
+logger = logging.getLogger(__name__)
+
+WORKER_STOP_TIMEOUT_S = 30.0
+
+
+def spawn_worker(redis_url: str, args: list[str], env: Mapping[str, str] | None = None,
+                 **popen: object) -> subprocess.Popen[bytes]:
+    """Start ``redbatch worker`` as a child process in its own process group."""
+    cmd = [sys.executable, "-m", "redbatch.common.cli", "worker", "--redis", redis_url, *args]
+    full_env = {**os.environ, **(env or {})}
+    # Its own session, so a terminal's Ctrl-C reaches only us and we stop it in order.
+    proc: subprocess.Popen[bytes] = subprocess.Popen(  # type: ignore[call-overload]
+        cmd, env=full_env, stdin=subprocess.DEVNULL, start_new_session=True, **popen)
+    return proc
+
+
+def wait_worker_ready(redis_url: str, keys: Keys, proc: subprocess.Popen[bytes],
+                      timeout_s: float = 120.0) -> None:
+    """Block until ``proc`` has joined the consumer group (it reads only once ready)."""
+    r = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker exited with code {proc.returncode} before ready")
+            if _consumers(r, keys.streams()[0]) > 0:
+                return
+            time.sleep(0.1)
+    finally:
+        r.close()
+    raise TimeoutError(f"worker not ready after {timeout_s}s")
+
+
+def stop_worker(proc: subprocess.Popen[bytes], timeout_s: float = WORKER_STOP_TIMEOUT_S) -> int:
+    """SIGTERM, wait, then SIGKILL the whole group; returns the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+def _consumers(r: redis.Redis, stream: str) -> int:
+    try:
+        groups = r.xinfo_groups(stream)
+    except redis.ResponseError:
+        return 0
+    return sum(int(g["consumers"]) for g in groups if g["name"] in (GROUP, GROUP.encode()))
+
+
+class LocalStack:
+    """Context manager: ``with LocalStack(spec, name, prefix) as stack: stack.url ...``."""
+
+    def __init__(self, model_spec: str, model_name: str, prefix: str,
+                 worker_args: list[str] | None = None) -> None:
+        self.keys = Keys(model_name, prefix)
+        self.worker_args = ["--model", model_spec, "--model-name", model_name,
+                            "--prefix", prefix, *(worker_args or [])]
+        self.server = RedisServer()
+        self.worker: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def __enter__(self) -> LocalStack:
+        self.server.start()
+        try:
+            logger.info("started a private redis-server at %s; starting a local worker", self.url)
+            self.worker = spawn_worker(self.url, self.worker_args)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        assert self.worker is not None
+        wait_worker_ready(self.url, self.keys, self.worker, timeout_s)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            stop_worker(self.worker)
+        self.server.stop()
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,399 @@
+"""The wire protocol: Redis key names, the job and result envelopes, error codes.
+
+This module mirrors PROTOCOL.md, which is the single source of truth for
+clients in any language. It is the only module that spells a Redis key,
+stream, group or field name; everything else asks it.
+
+Envelopes are msgpack maps with string keys. ``decode`` functions validate
+types and sizes and raise :class:`ProtocolError` carrying a stable
+:class:`ErrorCode`; they never evaluate, import or unpickle anything.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+"""Version written into every envelope; workers reject versions they don't know."""
+
+DEFAULT_PREFIX = "redbatch"
+GROUP = "workers"
+"""The consumer group every worker of a model joins, on each lane's stream."""
+
+FIELD_REQUEST_ID = "rid"
+"""Stream field holding the request id, kept apart from the body so that a
+body that fails to decode can still be answered."""
+FIELD_JOB = "job"
+"""Stream field holding the msgpack job envelope."""
+
+DONE_TOKEN = b"1"
+
+MAX_ENVELOPE_OVERHEAD_BYTES = 64 * 1024
+MAX_PARAMS = 32
+MAX_STR_BYTES = 4096
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+
+
+class Lane(str, Enum):
+    """Which stream of a model a job goes to; workers serve interactive first."""
+
+    INTERACTIVE = "interactive"
+    BULK = "bulk"
+
+
+class Status(str, Enum):
+    OK = "ok"
+    ERROR = "error"
+
+
+class ErrorCode(str, Enum):
+    """Stable error codes written into error results (see PROTOCOL.md)."""
+
+    BAD_ENVELOPE = "bad_envelope"
+    """The job body is not a msgpack map of the documented shape."""
+    UNSUPPORTED_VERSION = "unsupported_version"
+    BAD_REQUEST_ID = "bad_request_id"
+    WRONG_MODEL = "wrong_model"
+    """The envelope names another model than the stream it was put on."""
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    BAD_IMAGE = "bad_image"
+    """Not an image, truncated, or corrupt."""
+    UNSUPPORTED_FORMAT = "unsupported_format"
+    IMAGE_TOO_LARGE = "image_too_large"
+    """Declared dimensions exceed the pixel or side limits (decompression bomb)."""
+    BAD_INPUT = "bad_input"
+    """The model's preprocessing rejected the payload for another reason."""
+    EXPIRED = "expired"
+    """The deadline passed before the job could be computed; it was not run."""
+    PREPROCESS_CRASHED = "preprocess_crashed"
+    """A preprocessing process died on this input more than once."""
+    INFERENCE_FAILED = "inference_failed"
+    INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """A job or result could not be decoded or is invalid.
+
+    ``request_id`` is set when the request could still be identified, so the
+    caller can answer it with an error result.
+    """
+
+    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+# --------------------------------------------------------------------------- names
+
+
+def validate_name(name: str, what: str = "model") -> str:
+    """Return ``name`` if it is a safe model or prefix name, else raise ValueError.
+
+    Names end up inside Redis keys and are never resolved to files or code, but
+    keeping them to a small alphabet stops slashes, braces (hash tags) and
+    whitespace from making keys ambiguous.
+    """
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"invalid {what} name {name!r}: use 1-64 of [A-Za-z0-9_.-]")
+    return name
+
+
+def valid_request_id(request_id: object) -> bool:
+    return isinstance(request_id, str) and bool(_REQUEST_ID_RE.match(request_id))
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Every Redis key of one model.
+
+    All keys carry the model name as a Redis Cluster hash tag (``{model}``) so
+    one model's streams and results live in one slot, which lets the worker
+    write a result and acknowledge its job in one MULTI/EXEC.
+    """
+
+    model: str
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        validate_name(self.model, "model")
+        validate_name(self.prefix, "prefix")
+
+    @property
+    def _base(self) -> str:
+        return f"{self.prefix}:{{{self.model}}}"
+
+    def stream(self, lane: Lane) -> str:
+        """The job stream of one lane."""
+        return f"{self._base}:jobs:{Lane(lane).value}"
+
+    def streams(self) -> list[str]:
+        """All job streams, highest priority first."""
+        return [self.stream(lane) for lane in Lane]
+
+    def result(self, request_id: str) -> str:
+        """String key holding the msgpack result envelope (expires)."""
+        return f"{self._base}:result:{request_id}"
+
+    def done(self, request_id: str) -> str:
+        """List key that receives one token when the result is written (BLPOP it)."""
+        return f"{self._base}:done:{request_id}"
+
+
+# --------------------------------------------------------------------------- msgpack
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+def packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def unpackb(data: bytes, max_bytes: int) -> Any:
+    """Decode msgpack with size limits; raises ProtocolError(BAD_ENVELOPE)."""
+    if len(data) > max_bytes:
+        raise ProtocolError(ErrorCode.PAYLOAD_TOO_LARGE, f"envelope of {len(data)} bytes")
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_refuse_ext,
+            max_str_len=MAX_STR_BYTES * 16,
+            max_bin_len=max_bytes,
+            max_array_len=4096,
+            max_map_len=256,
+        )
+    except Exception as e:  # msgpack raises many types; all mean "not our envelope"
+        raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"body is not valid msgpack: {e}") from e
+
+
+# --------------------------------------------------------------------------- job
+
+
+@dataclass(frozen=True, slots=True)
+class JobEnvelope:
+    """One inference request as it travels on a job stream."""
+
+    request_id: str
+    model: str
+    payload: bytes
+    content_type: str = "application/octet-stream"
+    submitted_ms: int = 0
+    """Client's wall clock at submit, Unix milliseconds."""
+    deadline_ms: int | None = None
+    """Client's wall clock after which the result is useless, or None."""
+    lane: Lane = Lane.INTERACTIVE
+    params: Mapping[str, Any] = field(default_factory=dict)
+    version: int = PROTOCOL_VERSION
+
+    def encode(self) -> dict[str, bytes]:
+        """The stream entry fields for XADD."""
+        body = {
+            "v": self.version,
+            "model": self.model,
+            "payload": self.payload,
+            "content_type": self.content_type,
+            "submitted_ms": self.submitted_ms,
+            "deadline_ms": self.deadline_ms,
+            "lane": Lane(self.lane).value,
+            "params": dict(self.params),
+        }
+        return {FIELD_REQUEST_ID: self.request_id.encode(), FIELD_JOB: packb(body)}
+
+    @property
+    def budget_ms(self) -> int | None:
+        """The time the client allowed, independent of its clock's offset."""
+        if self.deadline_ms is None:
+            return None
+        return self.deadline_ms - self.submitted_ms
+
+    @classmethod
+    def decode(cls, fields: Mapping[bytes, bytes], max_payload_bytes: int) -> JobEnvelope:
+        """Validate a stream entry and build the envelope.
+
+        Raises ProtocolError; its ``request_id`` is set whenever the entry had a
+        usable request id, so the caller can answer it.
+        """
+        request_id = _decode_request_id(fields)
+        raw = fields.get(FIELD_JOB.encode())
+        if raw is None:
+            raise ProtocolError(ErrorCode.BAD_ENVELOPE, "entry has no 'job' field", request_id)
+        try:
+            body = unpackb(raw, max_payload_bytes + MAX_ENVELOPE_OVERHEAD_BYTES)
+            return _job_from_body(request_id, body, max_payload_bytes)
+        except ProtocolError as e:
+            raise ProtocolError(e.code, e.message, request_id) from e
+
+
+def _decode_request_id(fields: Mapping[bytes, bytes]) -> str:
+    raw = fields.get(FIELD_REQUEST_ID.encode())
+    try:
+        request_id = raw.decode() if isinstance(raw, bytes) else None
+    except UnicodeDecodeError:
+        request_id = None
+    if request_id is None or not valid_request_id(request_id):
+        raise ProtocolError(ErrorCode.BAD_REQUEST_ID, f"unusable request id {raw!r:.80}")
+    return request_id
+
+
+_JOB_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "v": (int,),
+    "model": (str,),
+    "payload": (bytes,),
+    "content_type": (str,),
+    "submitted_ms": (int,),
+    "deadline_ms": (int, type(None)),
+    "lane": (str,),
+    "params": (dict,),
+}
+
+
+def _check_fields(body: Any, types: Mapping[str, tuple[type, ...]]) -> None:
+    if not isinstance(body, dict):
+        raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"body is a {type(body).__name__}, not a map")
+    for name, allowed in types.items():
+        if name not in body:
+            raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"missing field {name!r}")
+        value = body[name]
+        # bool is an int subclass; a version or timestamp of True is a type error.
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            kind = type(value).__name__
+            raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"field {name!r} has type {kind}")
+
+
+def _job_from_body(request_id: str, body: Any, max_payload_bytes: int) -> JobEnvelope:
+    _check_fields(body, _JOB_FIELD_TYPES)
+    if body["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"protocol version {body['v']}")
+    if len(body["payload"]) > max_payload_bytes:
+        size = len(body["payload"])
+        raise ProtocolError(ErrorCode.PAYLOAD_TOO_LARGE, f"{size} > {max_payload_bytes} bytes")
+    try:
+        lane = Lane(body["lane"])
+        validate_name(body["model"])
+    except ValueError as e:
+        raise ProtocolError(ErrorCode.BAD_ENVELOPE, str(e)) from e
+    return JobEnvelope(
+        request_id=request_id,
+        model=body["model"],
+        payload=body["payload"],
+        content_type=body["content_type"][:MAX_STR_BYTES],
+        submitted_ms=body["submitted_ms"],
+        deadline_ms=body["deadline_ms"],
+        lane=lane,
+        params=_check_params(body["params"]),
+    )
+
+
+def _check_params(params: dict[str, Any]) -> dict[str, Any]:
+    if len(params) > MAX_PARAMS:
+        raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"more than {MAX_PARAMS} params")
+    for key, value in params.items():
+        if not isinstance(value, str | int | float | bool | type(None)):
+            kind = type(value).__name__
+            raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"param {key!r} has type {kind}")
+    return params
+
+
+# --------------------------------------------------------------------------- result
+
+
+TIMING_NAMES = ("queue_ms", "preprocess_ms", "batch_wait_ms", "inference_ms", "total_ms")
+
+
+@dataclass(frozen=True, slots=True)
+class ResultEnvelope:
+    """The answer to one request: ok with an output, or error with a code."""
+
+    request_id: str
+    status: Status
+    output: Any = None
+    error_code: ErrorCode | None = None
+    error_message: str = ""
+    timings: Mapping[str, float] = field(default_factory=dict)
+    """Milliseconds per stage; see TIMING_NAMES."""
+    batch_size: int = 0
+    worker: str = ""
+    model: str = ""
+    finished_ms: int = 0
+    version: int = PROTOCOL_VERSION
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+    @classmethod
+    def error(cls, request_id: str, code: ErrorCode, message: str, **kw: Any) -> ResultEnvelope:
+        return cls(request_id, Status.ERROR, error_code=code, error_message=message, **kw)
+
+    def encode(self) -> bytes:
+        error = None
+        if self.error_code is not None:
+            error = {"code": self.error_code.value, "message": self.error_message}
+        return packb(
+            {
+                "v": self.version,
+                "id": self.request_id,
+                "status": self.status.value,
+                "output": self.output,
+                "error": error,
+                "timings": dict(self.timings),
+                "batch_size": self.batch_size,
+                "worker": self.worker,
+                "model": self.model,
+                "finished_ms": self.finished_ms,
+            }
+        )
+
+    @classmethod
+    def decode(cls, data: bytes, max_bytes: int = 64 * 1024 * 1024) -> ResultEnvelope:
+        body = unpackb(data, max_bytes)
+        _check_fields(body, {"v": (int,), "id": (str,), "status": (str,)})
+        error = body.get("error") or {}
+        try:
+            status = Status(body["status"])
+            code = ErrorCode(error["code"]) if error else None
+        except (ValueError, KeyError, TypeError) as e:
+            raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"bad result status: {e}") from e
+        return cls(
+            request_id=body["id"],
+            status=status,
+            output=body.get("output"),
+            error_code=code,
+            error_message=str(error.get("message", "")),
+            timings=body.get("timings") or {},
+            batch_size=int(body.get("batch_size") or 0),
+            worker=str(body.get("worker") or ""),
+            model=str(body.get("model") or ""),
+            finished_ms=int(body.get("finished_ms") or 0),
+            version=body["v"],
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly view, as the CLI prints it."""
+        out: dict[str, Any] = {"id": self.request_id, "status": self.status.value}
+        if self.ok:
+            out["output"] = self.output
+        else:
+            out["error"] = {"code": self.error_code.value if self.error_code else None,
+                            "message": self.error_message}
+        out.update(timings=dict(self.timings), batch_size=self.batch_size,
+                   worker=self.worker, model=self.model)
+        return out

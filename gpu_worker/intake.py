@@ -1,0 +1,177 @@
+"""Intake: read jobs from the model's lane streams with XREADGROUP, and validate them.
+
+Reads only as many entries as the worker has room for. On start it first
+re-reads this consumer's own pending entries (jobs it had read but not
+answered before a restart under the same consumer name), then new ones.
+
+Deadlines: the client's clock and ours may disagree, so a job's deadline is
+taken as a *budget* (``deadline_ms - submitted_ms``) counted from the
+moment Redis stored the entry (the stream id's milliseconds, Redis's clock),
+and Redis's clock is mapped to ours with a measured offset.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import redis
+from redbatch.common.protocol import (
+    GROUP,
+    ErrorCode,
+    JobEnvelope,
+    Keys,
+    ProtocolError,
+)
+from redbatch.common.redis_io import StreamEntry, normalise_xread
+
+logger = logging.getLogger(__name__)
+
+CLOCK_REFRESH_S = 30.0
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """A valid job on its way through the worker."""
+
+    envelope: JobEnvelope
+    stream: str
+    entry_id: bytes
+    arrival_s: float
+    """Our monotonic clock when intake read it; the batcher's wait clock starts here."""
+    queue_ms: float
+    """Time it spent in Redis before we read it."""
+    deadline_s: float | None
+    """Monotonic time after which it is answered ``expired``; None for no deadline."""
+    slot: int = -1
+    preprocess_ms: float = 0.0
+    ready_s: float = 0.0
+    """When preprocessing finished and it joined the batcher."""
+
+    @property
+    def request_id(self) -> str:
+        return self.envelope.request_id
+
+
+@dataclass(frozen=True, slots=True)
+class BadEntry:
+    """A stream entry that cannot be run; answered when ``request_id`` is known."""
+
+    stream: str
+    entry_id: bytes
+    request_id: str | None
+    code: ErrorCode
+    message: str
+
+
+class RedisClock:
+    """Offset between Redis's wall clock and ours, refreshed now and then."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        self._redis = r
+        self._offset_ms = 0.0
+        self._refreshed = float("-inf")
+
+    def redis_now_ms(self) -> float:
+        if time.monotonic() - self._refreshed > CLOCK_REFRESH_S:
+            before = time.time()
+            seconds, micros = self._redis.time()
+            after = time.time()
+            self._offset_ms = seconds * 1000 + micros / 1000 - (before + after) * 500
+            self._refreshed = time.monotonic()
+        return time.time() * 1000 + self._offset_ms
+
+
+class Intake:
+    """Reads and validates entries for one consumer of one model's group."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, consumer: str, max_payload_bytes: int) -> None:
+        self._redis = r
+        self.keys = keys
+        self.consumer = consumer
+        self._max_payload = max_payload_bytes
+        self._clock = RedisClock(r)
+        # Pending recovery cursors; a stream leaves the dict once its backlog is read.
+        self._pending_from: dict[str, bytes] = {s: b"0" for s in keys.streams()}
+
+    def ensure_groups(self) -> None:
+        """Create the consumer group on every lane stream (from id 0, so jobs that
+        were queued before any worker existed are served)."""
+        for stream in self.keys.streams():
+            try:
+                self._redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except redis.ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
+
+    @property
+    def recovering(self) -> bool:
+        return bool(self._pending_from)
+
+    def read(self, count: int, block_ms: int) -> tuple[list[Job], list[BadEntry]]:
+        """Up to ``count`` entries (own pending first), validated."""
+        entries = self._read_pending(count) if self.recovering else []
+        if not entries:
+            entries = self._read_new(count, block_ms)
+        now_ms = self._clock.redis_now_ms()
+        jobs: list[Job] = []
+        bad: list[BadEntry] = []
+        for stream, entry in entries:
+            item = self._decode(stream, entry, now_ms)
+            (jobs if isinstance(item, Job) else bad).append(item)  # type: ignore[arg-type]
+        return jobs, bad
+
+    def _xreadgroup(self, streams: dict[str, bytes | str], count: int,
+                    block_ms: int | None) -> list[tuple[str, StreamEntry]]:
+        reply = self._redis.xreadgroup(GROUP, self.consumer, streams,  # type: ignore[arg-type]
+                                       count=count, block=block_ms)
+        return [(s.decode() if isinstance(s, bytes) else s, e)
+                for s, entries in normalise_xread(reply) for e in entries]
+
+    def _read_pending(self, count: int) -> list[tuple[str, StreamEntry]]:
+        for stream, cursor in list(self._pending_from.items()):
+            got = self._xreadgroup({stream: cursor}, count, None)
+            if got:
+                self._pending_from[stream] = got[-1][1][0]
+                logger.info("re-reading %d pending entries of %s", len(got), stream)
+                return got
+            del self._pending_from[stream]
+        return []
+
+    def _read_new(self, count: int, block_ms: int) -> list[tuple[str, StreamEntry]]:
+        # Highest-priority lane first, without blocking; block on all only when idle.
+        got: list[tuple[str, StreamEntry]] = []
+        for stream in self.keys.streams():
+            if len(got) < count:
+                got += self._xreadgroup({stream: ">"}, count - len(got), None)
+        if got or block_ms <= 0:
+            return got
+        streams: dict[str, bytes | str] = {s: ">" for s in self.keys.streams()}
+        return self._xreadgroup(streams, max(1, count // len(streams)), block_ms)
+
+    def _decode(self, stream: str, entry: StreamEntry, now_ms: float) -> Job | BadEntry:
+        entry_id, fields = entry
+        if not fields:
+            return BadEntry(stream, entry_id, None, ErrorCode.BAD_ENVELOPE,
+                            "entry was deleted while pending")
+        try:
+            env = JobEnvelope.decode(fields, self._max_payload)
+        except ProtocolError as e:
+            return BadEntry(stream, entry_id, e.request_id, e.code, e.message)
+        if env.model != self.keys.model:
+            return BadEntry(stream, entry_id, env.request_id, ErrorCode.WRONG_MODEL,
+                            f"job for model {env.model!r} on the stream of {self.keys.model!r}")
+        return _job(env, stream, entry_id, now_ms)
+
+
+def _entry_ms(entry_id: bytes) -> int:
+    return int(entry_id.split(b"-", 1)[0])
+
+
+def _job(env: JobEnvelope, stream: str, entry_id: bytes, redis_now_ms: float) -> Job:
+    now = time.monotonic()
+    queue_ms = max(0.0, redis_now_ms - _entry_ms(entry_id))
+    budget = env.budget_ms
+    deadline = None if budget is None else now + (budget - queue_ms) / 1000
+    return Job(env, stream, entry_id, now, queue_ms, deadline)

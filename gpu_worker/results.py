@@ -1,0 +1,110 @@
+"""The result writer: write results and acknowledge their jobs, atomically.
+
+For each answered entry one MULTI/EXEC sets the result key (with its TTL),
+pushes the wake-up token for waiting clients, and only then acknowledges and
+deletes the stream entry. If the transaction fails nothing is acknowledged,
+so a job never leaves its stream without its result written.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redbatch.common.protocol import (
+    DONE_TOKEN,
+    GROUP,
+    ErrorCode,
+    Keys,
+    ResultEnvelope,
+    Status,
+)
+from redbatch.common.redis_io import REDIS_ERRORS, RedisUnavailable
+from redbatch.gpu_worker.intake import BadEntry, Job
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One stream entry to acknowledge, with the result to write first (if answerable)."""
+
+    stream: str
+    entry_id: bytes
+    result: ResultEnvelope | None
+    slot: int = -1
+
+
+class ResultWriter:
+    """Builds result envelopes and writes them with their acknowledgements."""
+
+    def __init__(self, r: redis.Redis, keys: Keys, worker: str, ttl_s: int) -> None:
+        self._redis = r
+        self.keys = keys
+        self.worker = worker
+        self._ttl_ms = ttl_s * 1000
+
+    # ------------------------------------------------------------------ envelopes
+
+    def _timings(self, job: Job, inference_ms: float = 0.0, batch_wait_ms: float = 0.0) -> dict[
+            str, float]:
+        total = job.queue_ms + (time.monotonic() - job.arrival_s) * 1000
+        return {"queue_ms": round(job.queue_ms, 3), "preprocess_ms": round(job.preprocess_ms, 3),
+                "batch_wait_ms": round(batch_wait_ms, 3), "inference_ms": round(inference_ms, 3),
+                "total_ms": round(total, 3)}
+
+    def ok(self, job: Job, output: Any, batch_size: int, inference_ms: float,
+           batch_wait_ms: float) -> Answer:
+        result = ResultEnvelope(job.request_id, Status.OK, output=output,
+                                timings=self._timings(job, inference_ms, batch_wait_ms),
+                                batch_size=batch_size, worker=self.worker, model=self.keys.model,
+                                finished_ms=int(time.time() * 1000))
+        return Answer(job.stream, job.entry_id, result, job.slot)
+
+    def failed(self, job: Job, code: ErrorCode, message: str, batch_size: int = 0) -> Answer:
+        result = ResultEnvelope.error(job.request_id, code, message, timings=self._timings(job),
+                                      batch_size=batch_size, worker=self.worker,
+                                      model=self.keys.model, finished_ms=int(time.time() * 1000))
+        return Answer(job.stream, job.entry_id, result, job.slot)
+
+    def rejected(self, entry: BadEntry) -> Answer:
+        """An entry that failed validation: answered if it has an id, acknowledged either way."""
+        if entry.request_id is None:
+            return Answer(entry.stream, entry.entry_id, None)
+        result = ResultEnvelope.error(entry.request_id, entry.code, entry.message,
+                                      worker=self.worker, model=self.keys.model,
+                                      finished_ms=int(time.time() * 1000))
+        return Answer(entry.stream, entry.entry_id, result)
+
+    # ------------------------------------------------------------------ writing
+
+    def write_and_ack(self, answers: Sequence[Answer]) -> None:
+        """Write every result, then XACK and XDEL every entry, in one transaction.
+
+        Raises RedisUnavailable; then nothing was acknowledged and the caller
+        may retry the same answers.
+        """
+        if not answers:
+            return
+        pipe = self._redis.pipeline(transaction=True)
+        for answer in answers:
+            if answer.result is not None:
+                rid = answer.result.request_id
+                pipe.set(self.keys.result(rid), answer.result.encode(), px=self._ttl_ms)
+                pipe.rpush(self.keys.done(rid), DONE_TOKEN)
+                pipe.pexpire(self.keys.done(rid), self._ttl_ms)
+        for stream, ids in _by_stream(answers).items():
+            pipe.xack(stream, GROUP, *ids)
+            pipe.xdel(stream, *ids)
+        try:
+            pipe.execute()
+        except REDIS_ERRORS as e:
+            raise RedisUnavailable(f"writing {len(answers)} results failed: {e}") from e
+
+
+def _by_stream(answers: Sequence[Answer]) -> dict[str, list[bytes]]:
+    grouped: dict[str, list[bytes]] = {}
+    for answer in answers:
+        grouped.setdefault(answer.stream, []).append(answer.entry_id)
+    return grouped

@@ -1,0 +1,1 @@
+"""redbatch.preproc_worker"""

@@ -1,0 +1,83 @@
+"""Submit files from disk and print their results as JSON lines (the ``submit`` command)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from redbatch.common.config import DEFAULT_MAX_PAYLOAD_BYTES
+from redbatch.common.protocol import Lane
+from redbatch.producer.client import Client, ResultTimeout
+
+#: Files submitted per pipelined round trip.
+CHUNK = 256
+
+CONTENT_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png",
+                 ".webp": "image/webp", ".bmp": "image/bmp", ".gif": "image/gif",
+                 ".tif": "image/tiff", ".tiff": "image/tiff"}
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+def _chunks(paths: list[Path]) -> Iterator[list[Path]]:
+    for i in range(0, len(paths), CHUNK):
+        yield paths[i:i + CHUNK]
+
+
+def _read(path: Path, max_bytes: int) -> bytes | str:
+    """The file's bytes, or a message saying why it cannot be sent."""
+    try:
+        if path.stat().st_size > max_bytes:
+            return f"file is larger than {max_bytes} bytes"
+        return path.read_bytes()
+    except OSError as e:
+        return f"cannot read file: {e.strerror or e}"
+
+
+def submit_files(redis_url: str, paths: list[Path], *, model: str, prefix: str, wait: bool,
+                 timeout_s: float, lane: str = Lane.INTERACTIVE.value) -> bool:
+    """Submit every file, then (with ``wait``) print each result in input order.
+
+    Returns False when some file could not be submitted or a result did not
+    arrive in time; per-file error results do not make it fail.
+    """
+    ok = True
+    limit = DEFAULT_MAX_PAYLOAD_BYTES
+    with Client(redis_url, model=model, prefix=prefix) as client:
+        for chunk in _chunks(paths):
+            submitted: list[tuple[Path, str]] = []
+            for path in chunk:
+                data = _read(path, limit)
+                if isinstance(data, str):
+                    ok = False
+                    _emit({"file": str(path), "status": "error",
+                           "error": {"code": "unreadable_file", "message": data}})
+                    continue
+                rid = client.submit(data, timeout_s=timeout_s, lane=lane,
+                                    content_type=CONTENT_TYPES.get(path.suffix.lower(),
+                                                                   "application/octet-stream"))
+                submitted.append((path, rid))
+            ok &= _report(client, submitted, wait, timeout_s)
+    return ok
+
+
+def _report(client: Client, submitted: list[tuple[Path, str]], wait: bool,
+            timeout_s: float) -> bool:
+    ok = True
+    for path, rid in submitted:
+        if not wait:
+            _emit({"file": str(path), "id": rid})
+            continue
+        try:
+            _emit({"file": str(path), **client.result(rid, timeout_s).to_dict()})
+        except ResultTimeout:
+            ok = False
+            _emit({"file": str(path), "id": rid, "status": "timeout",
+                   "error": {"code": "timeout", "message": f"no result within {timeout_s:g}s"}})
+    return ok

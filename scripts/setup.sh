@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Idempotent set-up shared by the README's two commands: redis-server when missing, a
+# virtualenv at .venv with CPU torch and the package. Fast when everything is in place.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "setup: installing redis-server" >&2
+  if [ "$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi
+  $SUDO apt-get update -qq >&2 && $SUDO apt-get install -y -qq redis-server >&2
+fi
+
+# The stamp records what was installed; reinstall only when pyproject.toml changes.
+stamp=.venv/.redbatch-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "setup: creating .venv and installing redbatch[worker,test]" >&2
+  [ -x .venv/bin/python ] || python3 -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip >&2
+  # torch first, pinned to the CPU build; the package's own range (torch>=2.1) accepts it.
+  .venv/bin/python -m pip install -q "torch==2.13.0" >&2
+  .venv/bin/python -m pip install -q -e ".[worker,test]" >&2
+  touch "$stamp"
+fi

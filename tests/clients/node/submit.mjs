@@ -1,0 +1,83 @@
+// A redbatch client in another language, written deliberately from PROTOCOL.md alone:
+// it does not read or import any of the project's Python code.
+//
+//   node submit.mjs REDIS_URL IMAGE_PATH [MODEL] [PREFIX]   submit one image, wait, print result
+//   node submit.mjs REDIS_URL --raw-garbage [MODEL] [PREFIX] submit a `job` that is not msgpack
+//
+// Prints one line of JSON: {id, status, label, error_code, result}.
+// Exit status: 0 when a result arrived (even an error result), 2 on timeout, 1 on usage error.
+import { readFileSync } from 'node:fs';
+import { randomUUID } from 'node:crypto';
+import { extname } from 'node:path';
+import { createClient, RESP_TYPES } from 'redis';
+import { encode, decode } from '@msgpack/msgpack';
+
+const [url, input, model = 'efficientnet_lite0', prefix = 'redbatch'] = process.argv.slice(2);
+if (!url || !input) {
+  console.error('usage: node submit.mjs REDIS_URL (IMAGE_PATH | --raw-garbage) [MODEL] [PREFIX]');
+  process.exit(1);
+}
+
+const WAIT_MS = 60_000;        // give up after this long
+const BLPOP_SECONDS = 3;       // "a few seconds at a time"
+const CONTENT_TYPES = { '.jpg': 'image/jpeg', '.jpeg': 'image/jpeg', '.png': 'image/png',
+  '.webp': 'image/webp', '.gif': 'image/gif', '.bmp': 'image/bmp' };
+
+// Keys: every key of one model carries `{model}` as a Redis Cluster hash tag.
+const rid = randomUUID().replaceAll('-', '');          // UUID4 in hex
+const streamKey = `${prefix}:{${model}}:jobs:interactive`;
+const resultKey = `${prefix}:{${model}}:result:${rid}`;
+const doneKey = `${prefix}:{${model}}:done:${rid}`;
+
+// Buffer <-> Uint8Array without copying; node-redis sends Buffer arguments as raw bytes.
+const asBuffer = (u8) => Buffer.from(u8.buffer, u8.byteOffset, u8.byteLength);
+
+let job;
+if (input === '--raw-garbage') {
+  job = Buffer.from('not msgpack at all');
+} else {
+  const submitted = Date.now();
+  job = asBuffer(encode({
+    v: 1,
+    model,
+    payload: readFileSync(input),                      // a Buffer is encoded as msgpack bin
+    content_type: CONTENT_TYPES[extname(input).toLowerCase()] ?? 'application/octet-stream',
+    submitted_ms: submitted,
+    deadline_ms: submitted + WAIT_MS,
+    lane: 'interactive',
+    params: {},
+  }));
+}
+
+const base = createClient({ url });
+base.on('error', (err) => console.error(`redis: ${err.message}`));   // it reconnects by itself
+await base.connect();
+// Replies as Buffers, so the msgpack result reaches the decoder byte for byte.
+const client = base.withTypeMapping({ [RESP_TYPES.BLOB_STRING]: Buffer });
+
+// Exactly two fields: rid outside the envelope, job the msgpack envelope.
+await client.sendCommand(['XADD', streamKey, '*', 'rid', rid, 'job', job]);
+
+// Wait: GET; else BLPOP the done key for a few seconds; GET again; until the give-up time.
+const giveUpAt = Date.now() + WAIT_MS;
+let raw = await client.get(resultKey);
+while (raw === null && Date.now() < giveUpAt) {
+  // Whole seconds: fractional BLPOP timeouts need Redis >= 6.
+  const seconds = Math.max(1, Math.min(BLPOP_SECONDS, Math.ceil((giveUpAt - Date.now()) / 1000)));
+  await client.blPop(doneKey, seconds);
+  raw = await client.get(resultKey);
+}
+await base.close();
+
+if (raw === null) {
+  console.error(`no result for ${rid} after ${WAIT_MS} ms`);
+  process.exit(2);
+}
+const result = decode(raw);
+console.log(JSON.stringify({
+  id: result.id,
+  status: result.status,
+  label: result.output?.label ?? null,
+  error_code: result.error?.code ?? null,
+  result,
+}));

@@ -1,0 +1,87 @@
+"""Fixtures: a real redis-server per session, a flushed client per test, real worker processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from redbatch.common.local_stack import spawn_worker, stop_worker, wait_worker_ready
+from redbatch.common.protocol import Keys
+from redbatch.common.redis_server import RedisServer, RedisServerError, find_redis_server
+
+SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+TEST_MODEL = "efficientnet_lite0"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--redis-url", default=None,
+                     help="use this Redis (it will be FLUSHALLed) instead of starting one")
+
+
+@pytest.fixture(scope="session")
+def redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    url = request.config.getoption("--redis-url")
+    if url:
+        yield url
+        return
+    try:
+        find_redis_server()
+    except RedisServerError as e:
+        # A skipped Redis test hides regressions; fail loudly instead.
+        pytest.fail(str(e), pytrace=False)
+    with RedisServer() as server:
+        yield server.url
+
+
+@pytest.fixture
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    yield client
+    client.flushall()
+    client.close()
+
+
+@pytest.fixture
+def keys() -> Keys:
+    return Keys(TEST_MODEL)
+
+
+WorkerFactory = Callable[..., subprocess.Popen[bytes]]
+
+
+@pytest.fixture
+def start_worker(redis_url: str, r: redis.Redis,
+                 tmp_path: Path) -> Iterator[WorkerFactory]:
+    """Start real worker processes; each is stopped (SIGTERM, then SIGKILL) after the test.
+
+    Logs go to tmp_path/worker-N.log and are printed when a test fails.
+    """
+    procs: list[tuple[subprocess.Popen[bytes], Path]] = []
+
+    def start(*args: str, wait: bool = True, model: str = TEST_MODEL,
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log = tmp_path / f"worker-{len(procs)}.log"
+        with open(log, "wb") as out:
+            proc = spawn_worker(redis_url, ["--model", model, "--max-wait-ms", "5", *args],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+        procs.append((proc, log))
+        if wait:
+            wait_worker_ready(redis_url, Keys(model), proc)
+        return proc
+
+    yield start
+    for proc, log in procs:
+        stop_worker(proc, timeout_s=20)
+        if os.environ.get("REDBATCH_TEST_SHOW_LOGS"):
+            print(log.read_text(errors="replace"))
+
+
+def shm_entries() -> set[str]:
+    """Names in /dev/shm created by Python's shared_memory (psm_*) and semaphores (sem.mp-*)."""
+    return {p.name for p in Path("/dev/shm").iterdir()
+            if p.name.startswith(("psm_", "sem.mp-"))}

@@ -1,0 +1,115 @@
+"""The batching policy, one trigger at a time, on a fake clock (no sleeps, no model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from redbatch.gpu_worker.batcher import Batcher, LatencyEstimator
+
+
+@dataclass
+class Item:
+    name: str
+    arrival_s: float
+    deadline_s: float | None = None
+
+
+def fill(b: Batcher[Item], n: int, at: float, deadline: float | None = None) -> None:
+    for i in range(n):
+        b.add(Item(f"i{i}", at, deadline))
+
+
+@pytest.mark.parametrize("max_batch, max_wait_s", [(1, 10.0), (3, 10.0), (8, 1000.0)])
+def test_size_trigger_releases_a_full_batch_at_once(max_batch: int, max_wait_s: float) -> None:
+    b: Batcher[Item] = Batcher(max_batch, max_wait_s)
+    fill(b, max_batch - 1, at=0.0)
+    assert b.pop_ready(now=0.0) == []
+    b.add(Item("last", 0.0))
+    batch = b.pop_ready(now=0.0)
+    assert len(batch) == max_batch and len(b) == 0
+
+
+@pytest.mark.parametrize("max_batch, max_wait_s", [(4, 0.005), (8, 0.1), (32, 2.0)])
+def test_wait_trigger_counts_from_the_oldest_arrival(max_batch: int, max_wait_s: float) -> None:
+    b: Batcher[Item] = Batcher(max_batch, max_wait_s)
+    b.add(Item("old", 10.0))
+    b.add(Item("new", 10.0 + max_wait_s / 2))
+    assert b.pop_ready(now=10.0 + max_wait_s * 0.99) == []
+    assert b.next_wakeup(now=10.0) == pytest.approx(10.0 + max_wait_s)
+    batch = b.pop_ready(now=10.0 + max_wait_s)
+    assert [i.name for i in batch] == ["old", "new"]
+
+
+def test_deadline_trigger_leaves_room_for_the_run_time() -> None:
+    run_time = {1: 0.1, 2: 0.15}
+    b: Batcher[Item] = Batcher(8, max_wait_s=1000.0, run_time=lambda n: run_time[min(n, 2)])
+    b.add(Item("a", 0.0, 1.0))
+    b.add(Item("b", 0.0))
+    # With two waiting, a batch takes 0.15 s: it must start by 0.85 to meet 1.0.
+    assert b.next_wakeup(now=0.0) == pytest.approx(0.85)
+    assert b.pop_ready(now=0.84) == []
+    assert len(b.pop_ready(now=0.85)) == 2
+
+
+def test_deadline_rule_fires_before_max_wait() -> None:
+    b: Batcher[Item] = Batcher(8, max_wait_s=5.0)
+    b.add(Item("a", 0.0, 0.5))
+    assert b.pop_ready(now=0.49) == []
+    assert len(b.pop_ready(now=0.5)) == 1
+
+
+def test_queue_grows_while_the_model_is_busy() -> None:
+    # The caller does not call pop_ready while a batch runs, so late arrivals join the next one.
+    b: Batcher[Item] = Batcher(4, max_wait_s=0.01)
+    fill(b, 1, at=0.0)
+    fill(b, 2, at=0.05)  # arrived while the model was busy with a previous batch
+    batch = b.pop_ready(now=0.2)
+    assert len(batch) == 3
+
+
+def test_a_batch_never_exceeds_max_and_keeps_fifo_order() -> None:
+    b: Batcher[Item] = Batcher(3, max_wait_s=0.0)
+    for i in range(7):
+        b.add(Item(str(i), float(i)))
+    sizes = []
+    order = []
+    while len(b):
+        batch = b.pop_ready(now=100.0)
+        assert batch, "always at least one item when due"
+        sizes.append(len(batch))
+        order += [i.name for i in batch]
+    assert sizes == [3, 3, 1] and order == [str(i) for i in range(7)]
+
+
+def test_expired_requests_are_taken_out_and_never_batched() -> None:
+    b: Batcher[Item] = Batcher(8, max_wait_s=1.0)
+    b.add(Item("late", 0.0, 0.2))
+    b.add(Item("fine", 0.0, 5.0))
+    b.add(Item("none", 0.0))
+    assert [i.name for i in b.pop_expired(now=0.3)] == ["late"]
+    assert [i.name for i in b.pop_ready(now=1.0)] == ["fine", "none"]
+
+
+def test_empty_batcher_has_no_wakeup_and_no_batch() -> None:
+    b: Batcher[Item] = Batcher(2, 0.1)
+    assert b.next_wakeup(0.0) is None and b.pop_ready(0.0) == [] and b.pop_expired(0.0) == []
+
+
+@pytest.mark.parametrize("max_batch, max_wait_s", [(0, 1.0), (1, -1.0)])
+def test_invalid_settings_are_refused(max_batch: int, max_wait_s: float) -> None:
+    with pytest.raises(ValueError):
+        Batcher(max_batch, max_wait_s)
+
+
+def test_latency_estimator_interpolates_and_smooths() -> None:
+    est = LatencyEstimator(smoothing=0.5)
+    assert est(4) == 0.0
+    est.observe(2, 0.2)
+    est.observe(8, 0.8)
+    assert est(2) == pytest.approx(0.2)
+    assert est(5) == pytest.approx(0.5)
+    assert est(16) == pytest.approx(1.6)
+    assert est(1) == pytest.approx(0.2)
+    est.observe(2, 0.4)
+    assert est(2) == pytest.approx(0.3)

@@ -1,0 +1,95 @@
+"""The command line: help, settings from flags and REDBATCH_* variables, submit, private stack."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from click.testing import CliRunner
+from conftest import SAMPLES, WorkerFactory, shm_entries
+from redbatch.common.cli import build_settings, main, worker
+
+CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat"}
+
+
+def _worker_options(args: list[str], env: dict[str, str] | None = None) -> dict[str, object]:
+    """Parse worker options exactly as the command does, without running it."""
+    ctx = worker.make_context("worker", args)
+    return dict(ctx.params)
+
+
+def test_help_names_commands_and_variables() -> None:
+    out = CliRunner().invoke(main, ["--help"]).output
+    assert "worker" in out and "submit" in out and "REDBATCH_REDIS_URL" in out
+    out = CliRunner().invoke(main, ["worker", "--help"]).output
+    for var in ("REDBATCH_MAX_BATCH_SIZE", "REDBATCH_MAX_WAIT_MS", "REDBATCH_DEVICE",
+                "REDBATCH_POOL_PROCESSES", "REDBATCH_MODEL"):
+        assert var in out
+
+
+def test_flags_build_one_settings_object() -> None:
+    s = build_settings(_worker_options(["--redis", "redis://h:1/2", "--max-batch-size", "32",
+                                        "--max-wait-ms", "7.5", "--pool-processes", "3",
+                                        "--model", "/models/resnet50.pt", "--device", "cpu"]))
+    assert s.redis.url == "redis://h:1/2"
+    assert (s.batch.max_batch_size, s.batch.max_wait_ms) == (32, 7.5)
+    assert s.batch.max_inflight >= 32, "in-flight room always fits a full batch"
+    assert s.pool.processes == 3 and s.model.device == "cpu"
+    assert s.model.served_name == "resnet50"
+
+
+def test_environment_variables_set_the_same_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REDBATCH_REDIS_URL", "redis://env:6379/0")
+    monkeypatch.setenv("REDBATCH_MAX_BATCH_SIZE", "4")
+    monkeypatch.setenv("REDBATCH_MODEL_NAME", "catdog")
+    monkeypatch.setenv("REDBATCH_PREFIX", "staging")
+    s = build_settings(_worker_options([]))
+    assert s.redis.url == "redis://env:6379/0" and s.redis.prefix == "staging"
+    assert s.batch.max_batch_size == 4 and s.model.served_name == "catdog"
+
+
+def test_settings_repr_hides_the_redis_password() -> None:
+    s = build_settings(_worker_options(["--redis", "redis://user:secret@h:6379/0"]))
+    assert "secret" not in repr(s) and "user:***@h" in repr(s)
+
+
+def test_invalid_values_are_refused_with_a_message() -> None:
+    result = CliRunner().invoke(main, ["worker", "--max-batch-size", "0"])
+    assert result.exit_code == 2 and "max-batch-size" in result.output
+
+
+def test_submit_prints_one_json_line_per_file(redis_url: str, start_worker: WorkerFactory,
+                                              tmp_path: Path) -> None:
+    start_worker()
+    bad = tmp_path / "broken.jpg"
+    bad.write_bytes(b"not really a jpeg")
+    result = CliRunner().invoke(main, ["submit", "--wait", "--redis", redis_url,
+                                       str(SAMPLES / "cat.jpg"), str(bad)])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.output.splitlines()]
+    assert [Path(line["file"]).name for line in lines] == ["cat.jpg", "broken.jpg"]
+    assert lines[0]["status"] == "ok" and lines[0]["output"]["label"] in CAT_LABELS
+    assert lines[1]["status"] == "error" and lines[1]["error"]["code"] == "bad_image"
+
+
+def test_submit_without_redis_runs_a_private_stack_and_cleans_up(tmp_path: Path) -> None:
+    before_shm = shm_entries()
+    before_tmp = set(Path("/tmp").glob("redbatch-redis-*"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    proc = subprocess.run([sys.executable, "-m", "redbatch.common.cli", "submit", "--wait",
+                           str(SAMPLES)], env=env, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.decode().splitlines()]
+    by_name = {Path(line["file"]).name: line for line in lines}
+    assert set(by_name) >= {"cat.jpg", "coffee.jpg"}
+    assert by_name["cat.jpg"]["output"]["label"] in CAT_LABELS
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if p.pid != os.getpid()
+                 and any("redbatch.common.cli" in part for part in (p.info["cmdline"] or []))]
+    assert leftovers == [], "no redis-server or worker left running"
+    assert shm_entries() <= before_shm
+    assert set(Path("/tmp").glob("redbatch-redis-*")) <= before_tmp, "temp dir removed"

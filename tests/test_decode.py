@@ -1,0 +1,139 @@
+"""Decoding: colour modes and orientation of real photos come out right; bad bytes get codes."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from conftest import SAMPLES
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+from redbatch.common.config import LimitSettings
+from redbatch.common.protocol import ErrorCode
+from redbatch.preproc_worker.decode import InputError, open_image, resize_center_crop
+
+LIMITS = LimitSettings()
+CAT = (SAMPLES / "cat.jpg").read_bytes()
+
+
+def photo() -> Image.Image:
+    return Image.open(io.BytesIO(CAT)).convert("RGB")
+
+
+def encode(img: Image.Image, fmt: str, **kw: object) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def mean_abs_diff(a: Image.Image, b: Image.Image) -> float:
+    return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).mean())
+
+
+def test_plain_jpeg_decodes_to_rgb() -> None:
+    img = open_image(CAT, LIMITS)
+    assert img.mode == "RGB" and img.size == photo().size
+
+
+@pytest.mark.parametrize("make, tolerance", [
+    (lambda im: encode(im.convert("L"), "PNG"), 0.5),
+    (lambda im: encode(im.convert("P", palette=Image.Palette.ADAPTIVE), "PNG"), 12.0),
+    (lambda im: encode(im.convert("CMYK"), "JPEG", quality=95), 6.0),
+    (lambda im: encode(im, "WEBP", quality=95), 6.0),
+    (lambda im: encode(im, "BMP"), 0.01),
+    (lambda im: encode(im, "TIFF"), 0.01),
+])
+def test_colour_modes_come_out_as_the_same_picture(make, tolerance: float) -> None:  # type: ignore[no-untyped-def]
+    reference = photo()
+    img = open_image(make(reference), LIMITS)
+    assert img.mode == "RGB" and img.size == reference.size
+    if tolerance == 0.5:  # grayscale: compare against the grayscale of the photo
+        reference = reference.convert("L").convert("RGB")
+    assert mean_abs_diff(img, reference) < tolerance
+
+
+def test_alpha_is_flattened_onto_white() -> None:
+    rgba = photo().convert("RGBA")
+    alpha = Image.new("L", rgba.size, 255)
+    alpha.paste(0, (0, 0, 50, 50))  # a fully transparent corner
+    rgba.putalpha(alpha)
+    img = open_image(encode(rgba, "PNG"), LIMITS)
+    arr = np.asarray(img)
+    assert img.mode == "RGB" and (arr[:50, :50] == 255).all()
+    assert mean_abs_diff(img.crop((60, 60, 200, 200)), photo().crop((60, 60, 200, 200))) < 0.01
+
+
+def test_16_bit_grayscale_is_scaled_not_clipped() -> None:
+    gray8 = np.asarray(photo().convert("L"), dtype=np.uint16)
+    gray16 = Image.fromarray(gray8 * 257)
+    assert gray16.mode == "I;16"
+    img = open_image(encode(gray16, "PNG"), LIMITS)
+    assert img.mode == "RGB"
+    assert np.abs(np.asarray(img)[..., 0].astype(int) - gray8.astype(int)).max() <= 1
+
+
+def test_exif_rotation_is_applied() -> None:
+    reference = photo()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: the camera was turned; rotate 90 degrees clockwise to view
+    stored = reference.transpose(Image.Transpose.ROTATE_90)  # what such a camera writes
+    img = open_image(encode(stored, "JPEG", quality=95, exif=exif), LIMITS)
+    assert img.size == reference.size
+    assert mean_abs_diff(img, reference) < 6.0
+
+
+def test_draft_mode_keeps_the_requested_minimum_side() -> None:
+    big = photo().resize((1800, 1200), Image.Resampling.BICUBIC)
+    img = open_image(encode(big, "JPEG", quality=90), LIMITS, min_side=256)
+    assert min(img.size) >= 256 and img.size[0] < 1800
+    assert resize_center_crop(img, 256, 224).size == (224, 224)
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A tiny PNG file whose header declares width x height (a decompression bomb's shape)."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr)
+            + _chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + _chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("data, code", [
+    (b"", ErrorCode.BAD_IMAGE),
+    (b"hello, I am text", ErrorCode.BAD_IMAGE),
+    (CAT[: len(CAT) // 2], ErrorCode.BAD_IMAGE),
+    (CAT[:200], ErrorCode.BAD_IMAGE),
+    (b"%PDF-1.7\n%binary", ErrorCode.UNSUPPORTED_FORMAT),
+    (b"%!PS-Adobe-3.0 EPSF-3.0\n", ErrorCode.UNSUPPORTED_FORMAT),
+    (b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00", ErrorCode.UNSUPPORTED_FORMAT),
+    (_png_header(100_000, 100_000), ErrorCode.IMAGE_TOO_LARGE),
+    (_png_header(20_000, 10), ErrorCode.IMAGE_TOO_LARGE),
+    (_png_header(0, 10), ErrorCode.BAD_IMAGE),
+])
+def test_bad_bytes_get_a_stable_code(data: bytes, code: ErrorCode) -> None:
+    with pytest.raises(InputError) as info:
+        open_image(data, LIMITS)
+    assert info.value.code is code
+
+
+def test_payload_over_the_limit_is_refused_before_decoding() -> None:
+    with pytest.raises(InputError) as info:
+        open_image(CAT, LimitSettings(max_payload_bytes=1000))
+    assert info.value.code is ErrorCode.PAYLOAD_TOO_LARGE
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=2048), st.integers(0, len(CAT)))
+def test_fuzz_decoder_raises_only_input_errors(noise: bytes, cut: int) -> None:
+    # Random bytes, and real JPEG bytes cut short and followed by noise.
+    for data in (noise, CAT[:cut] + noise):
+        try:
+            open_image(data, LIMITS)
+        except InputError:
+            pass

@@ -1,0 +1,103 @@
+"""A Node.js client written only from PROTOCOL.md submits jobs to a real worker and waits.
+
+The client lives in tests/clients/node/submit.mjs and shares no code with the project, so
+these tests check that PROTOCOL.md alone is enough to talk to redbatch from another language.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from conftest import SAMPLES, TEST_MODEL, WorkerFactory
+
+NODE_DIR = Path(__file__).resolve().parent / "clients" / "node"
+STREAM = f"redbatch:{{{TEST_MODEL}}}:jobs:interactive"
+GROUP = "workers"
+CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat", "Persian cat", "Siamese cat", "lynx"}
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def node_client() -> Path:
+    """The path of submit.mjs, with its node_modules installed (npm ci) if missing."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        # Not a skip: without Node the foreign-client check would silently stop running.
+        pytest.fail("node and npm are required for the foreign-client test "
+                    f"(node={node}, npm={npm})", pytrace=False)
+    if not (NODE_DIR / "node_modules").is_dir():
+        proc = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR,
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            pytest.fail(f"npm ci failed in {NODE_DIR} (rc={proc.returncode}):\n"
+                        f"{proc.stdout}\n{proc.stderr}", pytrace=False)
+    return NODE_DIR / "submit.mjs"
+
+
+def run_client(script: Path, *args: str) -> dict[str, Any]:
+    """Run the node client; return the one JSON line it prints."""
+    node = shutil.which("node")
+    assert node is not None
+    proc = subprocess.run([node, str(script), *args], cwd=script.parent,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, (f"node client exited {proc.returncode}\n"
+                                  f"stdout: {proc.stdout}\nstderr: {proc.stderr}")
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, f"expected one line of JSON, got: {proc.stdout!r}"
+    result: dict[str, Any] = json.loads(lines[0])
+    return result
+
+
+def pending_count(r: redis.Redis) -> int:
+    summary = r.xpending(STREAM, GROUP)
+    return int(summary["pending"])
+
+
+def test_node_client_classifies_cat(node_client: Path, redis_url: str, r: redis.Redis,
+                                    start_worker: WorkerFactory) -> None:
+    start_worker()
+    out = run_client(node_client, redis_url, str(SAMPLES / "cat.jpg"), TEST_MODEL)
+
+    assert out["status"] == "ok", out
+    assert out["error_code"] is None, out
+    assert out["label"] in CAT_LABELS, out
+    envelope = out["result"]
+    assert envelope["v"] == 1
+    assert envelope["id"] == out["id"]
+    assert envelope["model"] == TEST_MODEL
+    assert envelope["batch_size"] >= 1
+    assert len(envelope["output"]["top5"]) == 5
+    assert pending_count(r) == 0
+
+
+def test_node_client_garbage_gets_bad_envelope(node_client: Path, redis_url: str,
+                                               r: redis.Redis,
+                                               start_worker: WorkerFactory) -> None:
+    start_worker()
+    out = run_client(node_client, redis_url, "--raw-garbage", TEST_MODEL)
+
+    assert out["status"] == "error", out
+    assert out["error_code"] == "bad_envelope", out
+    assert out["label"] is None, out
+    assert out["result"]["output"] is None
+    assert pending_count(r) == 0
+
+
+def test_node_client_cat_then_garbage_leaves_nothing_pending(
+        node_client: Path, redis_url: str, r: redis.Redis,
+        start_worker: WorkerFactory) -> None:
+    """Both kinds of entry on one worker; afterwards the group has nothing pending."""
+    start_worker()
+    ok = run_client(node_client, redis_url, str(SAMPLES / "cat.jpg"))
+    bad = run_client(node_client, redis_url, "--raw-garbage")
+
+    assert (ok["status"], ok["label"] in CAT_LABELS) == ("ok", True), ok
+    assert (bad["status"], bad["error_code"]) == ("error", "bad_envelope"), bad
+    assert pending_count(r) == 0
+    assert r.xlen(STREAM) == 0  # each entry left the stream together with its result

@@ -1,0 +1,78 @@
+"""Packaging: one import namespace `redbatch`, in both editable and wheel installs; a lean base."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBE = ("import importlib.util, redbatch, redbatch.common.protocol, redbatch.producer.client, "
+         "redbatch.gpu_worker.batcher, redbatch.preproc_worker.decode; "
+         "print(redbatch.__file__); "
+         "print([m for m in ('common', 'producer', 'gpu_worker', 'preproc_worker') "
+         "if importlib.util.find_spec(m)])")
+
+
+def run_probe(tmp_path: Path, extra_env: dict[str, str] | None = None) -> list[str]:
+    env = {**os.environ, **(extra_env or {})}
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120, check=True)
+    return out.stdout.splitlines()
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(out), str(ROOT)],
+                   check=True, capture_output=True, timeout=300)
+    return next(out.glob("redbatch-*.whl"))
+
+
+def test_wheel_holds_only_the_redbatch_namespace(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/", 1)[0] for n in names}
+    assert {t for t in top if not t.endswith(".dist-info")} == {"redbatch"}
+    assert "redbatch/py.typed" in names
+    for sub in ("common", "producer", "gpu_worker", "preproc_worker"):
+        assert f"redbatch/{sub}/__init__.py" in names
+    assert not any(n.startswith(("redbatch/tests", "redbatch/bench")) for n in names)
+
+
+def test_wheel_install_imports_under_redbatch_only(wheel: Path, tmp_path: Path) -> None:
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                    str(target), str(wheel)], check=True, capture_output=True, timeout=300)
+    location, stray = run_probe(tmp_path, {"PYTHONPATH": str(target)})
+    assert location.startswith(str(target)), location
+    assert stray == "[]", "no top-level common/producer modules"
+
+
+def test_editable_install_imports_from_the_checkout(tmp_path: Path) -> None:
+    location, stray = run_probe(tmp_path)
+    assert Path(location).resolve() == ROOT / "__init__.py"
+    assert stray == "[]"
+
+
+def test_base_requirements_are_the_client_only(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as zf:
+        meta_name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        meta = Parser().parsestr(zf.read(meta_name).decode())
+    requires = meta.get_all("Requires-Dist") or []
+    base = sorted(r.split(">")[0].split("=")[0].strip() for r in requires if "extra ==" not in r)
+    assert base == ["click", "msgpack", "redis"]
+    worker = " ".join(r for r in requires if "extra == \"worker\"" in r)
+    for dep in ("torch", "pillow", "numpy", "prometheus-client"):
+        assert dep in worker
+
+
+def test_console_script_runs() -> None:
+    exe = Path(sys.executable).parent / "redbatch"
+    out = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "redbatch" in out.stdout

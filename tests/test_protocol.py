@@ -1,0 +1,179 @@
+"""The wire protocol: round trips, validation, and PROTOCOL.md agreeing with the code."""
+
+from __future__ import annotations
+
+import pickle
+import re
+from pathlib import Path
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from redbatch.common import protocol as p
+from redbatch.common.protocol import (
+    ErrorCode,
+    JobEnvelope,
+    Keys,
+    Lane,
+    ProtocolError,
+    ResultEnvelope,
+    Status,
+)
+
+DOC = (Path(__file__).resolve().parent.parent / "PROTOCOL.md").read_text()
+MAX = 1024 * 1024
+
+
+def job(**kw: object) -> JobEnvelope:
+    base: dict[str, object] = dict(request_id="r1", model="m", payload=b"\x00\x01",
+                                   content_type="image/jpeg", submitted_ms=1000,
+                                   deadline_ms=3000, lane=Lane.BULK, params={"k": 1})
+    base.update(kw)
+    return JobEnvelope(**base)  # type: ignore[arg-type]
+
+
+def fields_with(body: object, rid: bytes = b"r1") -> dict[bytes, bytes]:
+    return {b"rid": rid, b"job": msgpack.packb(body, use_bin_type=True)}
+
+
+def good_body() -> dict[str, object]:
+    return dict(v=1, model="m", payload=b"x", content_type="", submitted_ms=1,
+                deadline_ms=None, lane="interactive", params={})
+
+
+def test_job_round_trip() -> None:
+    original = job()
+    encoded = {k.encode(): v for k, v in original.encode().items()}
+    assert JobEnvelope.decode(encoded, MAX) == original
+    assert original.budget_ms == 2000
+
+
+def test_result_round_trip_ok_and_error() -> None:
+    ok = ResultEnvelope("r1", Status.OK, output={"label": "x", "top5": [1, 2]},
+                        timings={"queue_ms": 1.5}, batch_size=4, worker="w", model="m",
+                        finished_ms=7)
+    assert ResultEnvelope.decode(ok.encode()) == ok
+    err = ResultEnvelope.error("r2", ErrorCode.BAD_IMAGE, "nope", worker="w")
+    back = ResultEnvelope.decode(err.encode())
+    assert back == err and not back.ok and back.error_code is ErrorCode.BAD_IMAGE
+
+
+def test_keys_share_one_hash_tag() -> None:
+    k = Keys("resnet50", "rb")
+    names = [*k.streams(), k.result("a"), k.done("a")]
+    assert all(n.startswith("rb:{resnet50}:") for n in names)
+    assert k.stream(Lane.INTERACTIVE) == "rb:{resnet50}:jobs:interactive"
+    assert k.streams()[0].endswith("interactive"), "interactive is served first"
+
+
+@pytest.mark.parametrize("name", ["", "../etc", "a/b", "{x}", "a b", "x" * 65, "-lead"])
+def test_unsafe_model_names_are_refused(name: str) -> None:
+    with pytest.raises(ValueError):
+        Keys(name)
+
+
+@pytest.mark.parametrize("body, code", [
+    ({**good_body(), "v": 2}, ErrorCode.UNSUPPORTED_VERSION),
+    ({**good_body(), "v": True}, ErrorCode.BAD_ENVELOPE),
+    ({k: v for k, v in good_body().items() if k != "model"}, ErrorCode.BAD_ENVELOPE),
+    ({**good_body(), "payload": "text, not bin"}, ErrorCode.BAD_ENVELOPE),
+    ({**good_body(), "lane": "vip"}, ErrorCode.BAD_ENVELOPE),
+    ({**good_body(), "model": "../../x"}, ErrorCode.BAD_ENVELOPE),
+    ({**good_body(), "params": {"a": {"nested": [1]}}}, ErrorCode.BAD_ENVELOPE),
+    ({**good_body(), "params": [1, 2]}, ErrorCode.BAD_ENVELOPE),
+    ({**good_body(), "payload": b"x" * (MAX + 1)}, ErrorCode.PAYLOAD_TOO_LARGE),
+    ([1, 2, 3], ErrorCode.BAD_ENVELOPE),
+    ("a string", ErrorCode.BAD_ENVELOPE),
+])
+def test_invalid_job_bodies_keep_the_request_id(body: object, code: ErrorCode) -> None:
+    with pytest.raises(ProtocolError) as info:
+        JobEnvelope.decode(fields_with(body), MAX)
+    assert info.value.code is code
+    assert info.value.request_id == "r1"
+
+
+@pytest.mark.parametrize("raw", [
+    b"",
+    b"not msgpack at all",
+    pickle.dumps({"v": 1}),
+    msgpack.packb(msgpack.ExtType(1, b"pickle-ish")),
+])
+def test_undecodable_bodies_are_bad_envelopes(raw: bytes) -> None:
+    with pytest.raises(ProtocolError) as info:
+        JobEnvelope.decode({b"rid": b"r9", b"job": raw}, MAX)
+    assert info.value.code in (ErrorCode.BAD_ENVELOPE, ErrorCode.PAYLOAD_TOO_LARGE)
+    assert info.value.request_id == "r9"
+
+
+@pytest.mark.parametrize("fields", [
+    {b"job": msgpack.packb(good_body())},
+    fields_with(good_body(), rid=b"has space"),
+    fields_with(good_body(), rid=b"\xff\xfe"),
+    fields_with(good_body(), rid=b"x" * 200),
+])
+def test_entries_without_a_usable_request_id(fields: dict[bytes, bytes]) -> None:
+    with pytest.raises(ProtocolError) as info:
+        JobEnvelope.decode(fields, MAX)
+    assert info.value.code is ErrorCode.BAD_REQUEST_ID and info.value.request_id is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_fuzz_job_decoder_raises_only_protocol_errors(raw: bytes) -> None:
+    try:
+        JobEnvelope.decode({b"rid": b"f", b"job": raw}, MAX)
+    except ProtocolError:
+        pass
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(),
+                     st.text(max_size=8), st.binary(max_size=8))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(list(good_body()) + ["extra"]),
+                       st.recursive(_scalars, lambda c: st.lists(c, max_size=3)
+                                    | st.dictionaries(st.text(max_size=4), c, max_size=3),
+                                    max_leaves=8)))
+def test_fuzz_structured_bodies_raise_only_protocol_errors(body: dict[str, object]) -> None:
+    try:
+        JobEnvelope.decode(fields_with({**good_body(), **body}), MAX)
+    except ProtocolError:
+        pass
+
+
+# --------------------------------------------------------------------- PROTOCOL.md == code
+
+
+def _table_first_column(heading: str) -> set[str]:
+    section = DOC.split(heading, 1)[1]
+    rows = re.findall(r"^\| `([^`]+)` \|", section.split("\n#", 1)[0], re.M)
+    return set(rows)
+
+
+def test_doc_lists_every_error_code() -> None:
+    assert _table_first_column("### Error codes") == {c.value for c in ErrorCode}
+
+
+def test_doc_job_envelope_matches_code() -> None:
+    encoded = msgpack.unpackb(job().encode()[p.FIELD_JOB])
+    assert _table_first_column("### Job envelope") == set(encoded)
+
+
+def test_doc_result_envelope_matches_code() -> None:
+    encoded = msgpack.unpackb(ResultEnvelope("r", Status.OK).encode())
+    assert _table_first_column("### Result envelope") == set(encoded)
+
+
+def test_doc_names_keys_fields_and_group() -> None:
+    k = Keys("efficientnet_lite0")
+    for name in [*k.streams(), k.result("abc"), k.done("abc")]:
+        assert f"`{name}`" in DOC
+    assert "rid <request id> job <msgpack job envelope>" in DOC
+    assert (p.FIELD_REQUEST_ID, p.FIELD_JOB) == ("rid", "job")
+    assert f"| consumer group | `{p.GROUP}` |" in DOC
+    for lane in Lane:
+        assert f"`{lane.value}`" in DOC
+    for timing in p.TIMING_NAMES:
+        assert f"`{timing}`" in DOC
