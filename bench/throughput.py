@@ -8,6 +8,9 @@
            pool and torch threads); a client submits every image at once and waits for all;
 3. one-at-a-time: the same model serving one request at a time, decode then forward, batch 1.
 
+All three run under the same malloc settings (the worker's, see common/malloc_tuning.py):
+the script re-executes itself with them, so the comparison is of the pipeline, not of glibc.
+
 Prints throughputs, the two ratios (redbatch / ideal, redbatch / one-at-a-time), latency
 percentiles and the batch-size histogram, and writes bench/out/throughput.csv.
 """
@@ -17,13 +20,16 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import shlex
 import statistics
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import torch
+from redbatch.common import malloc_tuning
 from redbatch.common.config import LimitSettings
 from redbatch.common.local_stack import spawn_worker, stop_worker, wait_worker_ready
 from redbatch.common.protocol import Keys
@@ -57,13 +63,13 @@ def in_process(payloads: list[bytes], batch_size: int) -> float:
     return len(payloads) / (time.perf_counter() - start)
 
 
-def through_redbatch(payloads: list[bytes],
-                     batch_size: int) -> tuple[float, list[float], Counter[int]]:
+def through_redbatch(payloads: list[bytes], batch_size: int,
+                     extra: list[str]) -> tuple[float, list[float], Counter[int]]:
     """Images per second through Redis and one worker process, plus latencies and batch sizes."""
     keys = Keys("efficientnet_lite0")
     with RedisServer() as server:
         worker = spawn_worker(server.url, ["--max-batch-size", str(batch_size),
-                                           "--log-level", "WARNING"])
+                                           "--log-level", "WARNING", *extra])
         try:
             wait_worker_ready(server.url, keys, worker)
             with Client(server.url) as client:
@@ -87,12 +93,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=600)
     parser.add_argument("--max-batch-size", type=int, default=8)
+    parser.add_argument("--worker-args", default="", help="extra flags for redbatch worker")
     args = parser.parse_args()
+    if malloc_tuning.wanted():
+        env = {**os.environ, **malloc_tuning.MALLOC_ENV}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     payloads = workload(args.images)
 
     ideal = in_process(payloads, args.max_batch_size)
     single = in_process(payloads[: max(50, args.images // 4)], 1)
-    ours, latencies, sizes = through_redbatch(payloads, args.max_batch_size)
+    ours, latencies, sizes = through_redbatch(payloads, args.max_batch_size,
+                                              shlex.split(args.worker_args))
 
     OUT.mkdir(parents=True, exist_ok=True)
     with open(OUT / "throughput.csv", "w", newline="") as f:
@@ -101,7 +112,8 @@ def main() -> None:
         w.writerow(["ideal_in_process", args.images, args.max_batch_size, f"{ideal:.2f}"])
         w.writerow(["one_at_a_time", max(50, args.images // 4), 1, f"{single:.2f}"])
         w.writerow(["redbatch", args.images, args.max_batch_size, f"{ours:.2f}"])
-    print(f"cores={os.cpu_count()} images={args.images} max_batch_size={args.max_batch_size}")
+    print(f"cores={os.cpu_count()} images={args.images} max_batch_size={args.max_batch_size} "
+          f"worker_args={args.worker_args!r} ({malloc_tuning.describe()})")
     print(f"ideal in-process loop      {ideal:8.1f} img/s")
     print(f"one request at a time      {single:8.1f} img/s")
     print(f"redbatch end to end        {ours:8.1f} img/s")

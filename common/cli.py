@@ -115,6 +115,9 @@ def main() -> None:
       help="Exit once the streams are empty and every job is answered.")
 def worker(**options: Any) -> None:
     """Serve a model: read jobs, batch them, write results."""
+    from redbatch.common.malloc_tuning import reexec_with_malloc_tuning
+
+    reexec_with_malloc_tuning("redbatch.common.cli")
     setup_logging(options["log_level"])
     settings = build_settings(options)
     from redbatch.gpu_worker.loop import Worker

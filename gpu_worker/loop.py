@@ -36,6 +36,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from redbatch.common import malloc_tuning
 from redbatch.common.config import Settings
 from redbatch.common.protocol import ErrorCode, Keys
 from redbatch.common.redis_io import REDIS_ERRORS, RedisUnavailable, connect
@@ -149,6 +150,8 @@ class Worker:
         logger.info("ready: device=%s torch_threads=%d pool=%d max_batch=%d max_wait_ms=%g",
                     device, torch.get_num_threads(), s.pool.processes,
                     s.batch.max_batch_size, s.batch.max_wait_ms)
+        if device.type == "cpu":
+            logger.info("%s", malloc_tuning.describe())
         self._start_threads()
         self._ready.set()
 
