@@ -181,7 +181,7 @@ def expand_inputs(paths: tuple[str, ...]) -> Iterator[Path]:
 @main.command()
 @_common_options
 @click.argument("files", nargs=-1, required=True, type=click.Path())
-@click.option("--wait/--no-wait", default=False, help="Wait for and print each result.")
+@_opt("--wait/--no-wait", env="WAIT", default=False, help="Wait for and print each result.")
 @_opt("--timeout-s", env="TIMEOUT_S", type=click.FloatRange(min=0.001), default=60.0,
       help="Deadline of each job and how long to wait for it, seconds.")
 @_opt("--lane", env="LANE", type=click.Choice([lane.value for lane in Lane]),

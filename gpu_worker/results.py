@@ -28,12 +28,17 @@ from redbatch.gpu_worker.intake import BadEntry, Job
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """One stream entry to acknowledge, with the result to write first (if answerable)."""
+    """One stream entry to acknowledge, with the encoded result to write first (if answerable)."""
 
     stream: str
     entry_id: bytes
-    result: ResultEnvelope | None
+    request_id: str | None
+    encoded: bytes = b""
     slot: int = -1
+
+
+def _answer(entry: Job | BadEntry, result: ResultEnvelope, slot: int = -1) -> Answer:
+    return Answer(entry.stream, entry.entry_id, result.request_id, result.encode(), slot)
 
 
 class ResultWriter:
@@ -56,17 +61,22 @@ class ResultWriter:
 
     def ok(self, job: Job, output: Any, batch_size: int, inference_ms: float,
            batch_wait_ms: float) -> Answer:
+        """An ok result; an output msgpack cannot carry becomes an ``internal`` error result."""
         result = ResultEnvelope(job.request_id, Status.OK, output=output,
                                 timings=self._timings(job, inference_ms, batch_wait_ms),
                                 batch_size=batch_size, worker=self.worker, model=self.keys.model,
                                 finished_ms=int(time.time() * 1000))
-        return Answer(job.stream, job.entry_id, result, job.slot)
+        try:
+            return _answer(job, result, job.slot)
+        except (TypeError, ValueError, OverflowError) as e:
+            return self.failed(job, ErrorCode.INTERNAL,
+                               f"model output cannot be encoded as msgpack: {e}", batch_size)
 
     def failed(self, job: Job, code: ErrorCode, message: str, batch_size: int = 0) -> Answer:
         result = ResultEnvelope.error(job.request_id, code, message, timings=self._timings(job),
                                       batch_size=batch_size, worker=self.worker,
                                       model=self.keys.model, finished_ms=int(time.time() * 1000))
-        return Answer(job.stream, job.entry_id, result, job.slot)
+        return _answer(job, result, job.slot)
 
     def rejected(self, entry: BadEntry) -> Answer:
         """An entry that failed validation: answered if it has an id, acknowledged either way."""
@@ -75,7 +85,7 @@ class ResultWriter:
         result = ResultEnvelope.error(entry.request_id, entry.code, entry.message,
                                       worker=self.worker, model=self.keys.model,
                                       finished_ms=int(time.time() * 1000))
-        return Answer(entry.stream, entry.entry_id, result)
+        return _answer(entry, result)
 
     # ------------------------------------------------------------------ writing
 
@@ -89,9 +99,9 @@ class ResultWriter:
             return
         pipe = self._redis.pipeline(transaction=True)
         for answer in answers:
-            if answer.result is not None:
-                rid = answer.result.request_id
-                pipe.set(self.keys.result(rid), answer.result.encode(), px=self._ttl_ms)
+            if answer.request_id is not None:
+                rid = answer.request_id
+                pipe.set(self.keys.result(rid), answer.encoded, px=self._ttl_ms)
                 pipe.rpush(self.keys.done(rid), DONE_TOKEN)
                 pipe.pexpire(self.keys.done(rid), self._ttl_ms)
         for stream, ids in _by_stream(answers).items():

@@ -206,7 +206,8 @@ def _discard_task_queue(q: Any) -> None:
         try:
             if reader is not None and reader.poll(0.01):
                 reader.recv_bytes()
-        except (OSError, EOFError):
+        except (OSError, EOFError, TypeError, ValueError):
+            # The feeder reached the sentinel and closed the reader under us: done.
             break
 
 

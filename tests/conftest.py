@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from redbatch.common.config import model_name_from_spec
 from redbatch.common.local_stack import spawn_worker, stop_worker, wait_worker_ready
 from redbatch.common.protocol import Keys
 from redbatch.common.redis_server import RedisServer, RedisServerError, find_redis_server
@@ -71,7 +72,9 @@ def start_worker(redis_url: str, r: redis.Redis,
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
         procs.append((proc, log))
         if wait:
-            wait_worker_ready(redis_url, Keys(model), proc)
+            name = args[args.index("--model-name") + 1] if "--model-name" in args \
+                else model_name_from_spec(model)
+            wait_worker_ready(redis_url, Keys(name), proc)
         return proc
 
     yield start

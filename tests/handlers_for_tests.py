@@ -31,3 +31,14 @@ class Crashy(EfficientNetLite0):
 
 def crashy(limits: LimitSettings) -> Crashy:
     return Crashy(limits)
+
+
+class Unencodable(EfficientNetLite0):
+    """Returns outputs msgpack cannot carry (a set), as a buggy user handler might."""
+
+    def postprocess(self, outputs: Any, params: Any) -> list[Any]:
+        return [{"labels": {"a", "b"}} for _ in range(len(outputs))]
+
+
+def unencodable(limits: LimitSettings) -> Unencodable:
+    return Unencodable(limits)
