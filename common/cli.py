@@ -124,7 +124,10 @@ def worker(**options: Any) -> None:
 
     w = Worker(settings)
     with _signals_stop(w.stop, w.abort):
-        w.run()
+        try:
+            w.run()
+        except ValueError as e:  # a bad --model or --device: say so, without a traceback
+            raise click.ClickException(str(e)) from e
 
 
 def build_settings(options: dict[str, Any]) -> Settings:

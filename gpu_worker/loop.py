@@ -42,7 +42,7 @@ from redbatch.common.protocol import ErrorCode, Keys
 from redbatch.common.redis_io import REDIS_ERRORS, RedisUnavailable, connect
 from redbatch.gpu_worker.batcher import Batcher, LatencyEstimator
 from redbatch.gpu_worker.capacity import Capacity
-from redbatch.gpu_worker.handlers import load_handler
+from redbatch.gpu_worker.handlers import Handler, load_handler
 from redbatch.gpu_worker.intake import BadEntry, Intake, Job
 from redbatch.gpu_worker.results import Answer, ResultWriter
 from redbatch.preproc_worker.pool import PreprocPool
@@ -84,7 +84,9 @@ class Worker:
         self.keys = Keys(settings.model.served_name, settings.redis.prefix)
         self.batch_sizes: Counter[int] = Counter()
         self._events: queue.Queue[Any] = queue.Queue()
-        self._batches: queue.Queue[tuple[list[Job], list[float]] | None] = queue.Queue(maxsize=1)
+        # Unbounded, but the main loop launches one batch at a time (_model_busy).
+        self._batches: queue.SimpleQueue[tuple[list[Job], list[float]] | None] = \
+            queue.SimpleQueue()
         self._stop = threading.Event()
         self._abort = threading.Event()
         self._ready = threading.Event()
@@ -128,32 +130,42 @@ class Worker:
             self.teardown()
 
     def setup(self) -> None:
-        import torch
-        from redbatch.gpu_worker.model import ModelRunner, choose_torch_threads, resolve_device
-
+        """Pool first (its processes start while the model loads), then model, then Redis."""
         s = self.settings
         logger.info("starting worker %s for model %s: %r", s.consumer, self.keys.model, s)
         handler = load_handler(s.model.spec, s.limits)
-        torch.set_num_threads(choose_torch_threads(s.model.torch_threads, s.pool.processes))
+        self._start_pool(handler)
+        self._load_model(handler)
+        self.intake = Intake(connect(s.redis), self.keys, s.consumer, s.limits.max_payload_bytes)
+        self.intake.ensure_groups()
+        self.writer = ResultWriter(connect(s.redis), self.keys, s.consumer, s.result_ttl_s)
+        self._start_threads()
+        self._ready.set()
+
+    def _start_pool(self, handler: Handler) -> None:
+        s = self.settings
         self.slots = SlotArray.create(s.batch.max_inflight, handler.input_shape,
                                       handler.input_dtype)
         self.allocator = SlotAllocator(s.batch.max_inflight)
         self.pool = PreprocPool(s.model.spec, s.limits, s.pool, self.slots.layout)
         self.pool.start(on_done=self._events.put)
+
+    def _load_model(self, handler: Handler) -> None:
+        import torch
+
+        from redbatch.gpu_worker.model import ModelRunner, choose_torch_threads, resolve_device
+
+        s = self.settings
+        assert self.slots is not None
+        torch.set_num_threads(choose_torch_threads(s.model.torch_threads, s.pool.processes))
         device = resolve_device(s.model.device)
         self.runner = ModelRunner(handler, device, self.slots.array, s.batch.max_batch_size)
         self.runner.warmup([1, s.batch.max_batch_size])
-        self._redis = connect(s.redis)
-        self.intake = Intake(connect(s.redis), self.keys, s.consumer, s.limits.max_payload_bytes)
-        self.intake.ensure_groups()
-        self.writer = ResultWriter(self._redis, self.keys, s.consumer, s.result_ttl_s)
-        logger.info("ready: device=%s torch_threads=%d pool=%d max_batch=%d max_wait_ms=%g",
-                    device, torch.get_num_threads(), s.pool.processes,
+        logger.info("model ready: device=%s torch_threads=%d pool=%d max_batch=%d "
+                    "max_wait_ms=%g", device, torch.get_num_threads(), s.pool.processes,
                     s.batch.max_batch_size, s.batch.max_wait_ms)
         if device.type == "cpu":
             logger.info("%s", malloc_tuning.describe())
-        self._start_threads()
-        self._ready.set()
 
     def _start_threads(self) -> None:
         for name, target in (("intake", self._intake_loop), ("model", self._model_loop)):

@@ -72,6 +72,14 @@ class _Base:
                            params=dict(params or {}))
 
 
+    def _jobs(self, payloads: Iterable[bytes], kw: Mapping[str, Any]) -> list[JobEnvelope]:
+        """Envelopes for submit_many: the keywords of submit, shared by every payload."""
+        return [self._job(p, model=kw.get("model"), timeout_s=kw.get("timeout_s"),
+                          lane=kw.get("lane", Lane.INTERACTIVE), params=kw.get("params"),
+                          content_type=kw.get("content_type", "application/octet-stream"),
+                          request_id=None) for p in payloads]
+
+
 class Client(_Base):
     """Blocking client.
 
@@ -102,10 +110,7 @@ class Client(_Base):
 
     def submit_many(self, payloads: Iterable[bytes], **kw: Any) -> list[str]:
         """Queue many jobs in one pipelined round trip; same keywords as submit."""
-        jobs = [self._job(p, model=kw.get("model"), timeout_s=kw.get("timeout_s"),
-                          lane=kw.get("lane", Lane.INTERACTIVE), params=kw.get("params"),
-                          content_type=kw.get("content_type", "application/octet-stream"),
-                          request_id=None) for p in payloads]
+        jobs = self._jobs(payloads, kw)
         pipe = self.redis.pipeline(transaction=False)
         for job in jobs:
             pipe.xadd(self.keys(kw.get("model")).stream(job.lane), job.encode())  # type: ignore[arg-type]
@@ -168,10 +173,7 @@ class AsyncClient(_Base):
         return job.request_id
 
     async def submit_many(self, payloads: Iterable[bytes], **kw: Any) -> list[str]:
-        jobs = [self._job(p, model=kw.get("model"), timeout_s=kw.get("timeout_s"),
-                          lane=kw.get("lane", Lane.INTERACTIVE), params=kw.get("params"),
-                          content_type=kw.get("content_type", "application/octet-stream"),
-                          request_id=None) for p in payloads]
+        jobs = self._jobs(payloads, kw)
         async with self.redis.pipeline(transaction=False) as pipe:
             for job in jobs:
                 pipe.xadd(self.keys(kw.get("model")).stream(job.lane), job.encode())  # type: ignore[arg-type]

@@ -88,3 +88,19 @@ def shm_entries() -> set[str]:
     """Names in /dev/shm created by Python's shared_memory (psm_*) and semaphores (sem.mp-*)."""
     return {p.name for p in Path("/dev/shm").iterdir()
             if p.name.startswith(("psm_", "sem.mp-"))}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left_behind() -> Iterator[None]:
+    """Every worker, pool and stack the tests start must release its /dev/shm entries."""
+    before = shm_entries()
+    yield
+    import gc
+    import time
+
+    gc.collect()
+    deadline = time.monotonic() + 20  # a SIGKILLed worker's tracker needs a moment
+    while not shm_entries() <= before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = shm_entries() - before
+    assert not left, f"left in /dev/shm by the tests: {sorted(left)}"

@@ -93,3 +93,11 @@ def test_submit_without_redis_runs_a_private_stack_and_cleans_up(tmp_path: Path)
     assert leftovers == [], "no redis-server or worker left running"
     assert shm_entries() <= before_shm
     assert set(Path("/tmp").glob("redbatch-redis-*")) <= before_tmp, "temp dir removed"
+
+
+def test_worker_with_an_unknown_model_exits_with_a_message(redis_url: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "redbatch.common.cli", "worker", "--redis",
+                           redis_url, "--model", "no_such_model"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "unknown model 'no_such_model'" in proc.stderr and "Traceback" not in proc.stderr

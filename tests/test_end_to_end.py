@@ -159,15 +159,22 @@ def test_sigterm_drains_in_flight_jobs_and_frees_shared_memory(
 
 def test_stable_consumer_rereads_its_own_pending_after_a_crash(
         redis_url: str, start_worker: WorkerFactory, r: redis.Redis, keys: Keys) -> None:
+    before = shm_entries()
     worker = start_worker("--consumer", "worker-a", "--max-inflight", "32")
     with Client(redis_url) as client:
         ids = client.submit_many([PHOTOS["coffee.jpg"]] * 30, timeout_s=300)
         deadline = time.monotonic() + 60
         while pending(r, keys) == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
-        os.killpg(worker.pid, signal.SIGKILL)  # no drain, no acknowledgements
+        os.kill(worker.pid, signal.SIGKILL)  # as the OOM killer would: no drain, no acks
         worker.wait()
         assert pending(r, keys) > 0, "the crash left jobs pending on worker-a"
+        # Orphaned pool processes notice within a second and exit; the resource tracker
+        # then unlinks the dead worker's shared memory.
+        deadline = time.monotonic() + 20
+        while not shm_entries() <= before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert shm_entries() <= before, "a SIGKILLed worker's shared memory is reclaimed"
         start_worker("--consumer", "worker-a")
         results = [client.result(i, timeout_s=120) for i in ids]
     assert all(res.ok for res in results)

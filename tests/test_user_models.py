@@ -1,5 +1,6 @@
 """User models: a TorchScript file and 'module:factory' handlers, served by real workers."""
 
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,6 +19,11 @@ from redbatch.producer.client import Client
 TESTS = str(Path(__file__).resolve().parent)
 CAT = (SAMPLES / "cat.jpg").read_bytes()
 CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat"}
+
+# Making the TorchScript file uses torch.jit.trace, deprecated upstream but still how most
+# users' existing .pt files were made; serving them (torch.jit.load) is what is under test.
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")]
 
 
 @pytest.fixture(scope="module")
