@@ -152,7 +152,6 @@ class Worker:
 
     def _load_model(self, handler: Handler) -> None:
         import torch
-
         from redbatch.gpu_worker.model import ModelRunner, choose_torch_threads, resolve_device
 
         s = self.settings
