@@ -6,7 +6,9 @@
            all cores for torch (what you would write by hand for an offline job);
 2. redbatch: a private redis-server and one `redbatch worker` process (its defaults for the
            pool and torch threads); a client submits every image at once and waits for all;
-3. one-at-a-time: the same model serving one request at a time, decode then forward, batch 1.
+3. one-at-a-time: the same model serving one request at a time, decode then forward, batch 1,
+           in process (no Redis);
+4. redbatch, batch 1: the same worker with --max-batch-size 1 (what batching adds inside redbatch).
 
 All three run under the same malloc settings (the worker's, see common/malloc_tuning.py):
 the script re-executes itself with them, so the comparison is of the pipeline, not of glibc.
@@ -102,8 +104,9 @@ def main() -> None:
 
     ideal = in_process(payloads, args.max_batch_size)
     single = in_process(payloads[: max(50, args.images // 4)], 1)
-    ours, latencies, sizes = through_redbatch(payloads, args.max_batch_size,
-                                              shlex.split(args.worker_args))
+    extra = shlex.split(args.worker_args)
+    ours, latencies, sizes = through_redbatch(payloads, args.max_batch_size, extra)
+    ours_single, _, _ = through_redbatch(payloads[: max(50, args.images // 2)], 1, extra)
 
     OUT.mkdir(parents=True, exist_ok=True)
     with open(OUT / "throughput.csv", "w", newline="") as f:
@@ -112,17 +115,20 @@ def main() -> None:
         w.writerow(["ideal_in_process", args.images, args.max_batch_size, f"{ideal:.2f}"])
         w.writerow(["one_at_a_time", max(50, args.images // 4), 1, f"{single:.2f}"])
         w.writerow(["redbatch", args.images, args.max_batch_size, f"{ours:.2f}"])
+        w.writerow(["redbatch_batch_1", max(50, args.images // 2), 1, f"{ours_single:.2f}"])
     print(f"cores={os.cpu_count()} images={args.images} max_batch_size={args.max_batch_size} "
           f"worker_args={args.worker_args!r} ({malloc_tuning.describe()})")
     print(f"ideal in-process loop      {ideal:8.1f} img/s")
     print(f"one request at a time      {single:8.1f} img/s")
     print(f"redbatch end to end        {ours:8.1f} img/s")
+    print(f"redbatch, max batch 1      {ours_single:8.1f} img/s")
     print(f"latency under saturation   p50 {pct(latencies, 50):.0f} ms  p95 "
           f"{pct(latencies, 95):.0f} ms  p99 {pct(latencies, 99):.0f} ms  "
           f"(mean {statistics.fmean(latencies):.0f} ms)")
     print(f"requests by batch size     {dict(sorted(sizes.items()))}")
     print(f"RATIO redbatch / ideal in-process       = {ours / ideal:.2f}")
     print(f"RATIO redbatch / one-at-a-time serving  = {ours / single:.2f}")
+    print(f"RATIO redbatch / redbatch at batch 1    = {ours / ours_single:.2f}")
 
 
 if __name__ == "__main__":
