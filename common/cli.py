@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +20,9 @@ from typing import Any, TypeVar
 import click
 from redbatch import __version__
 from redbatch.common.config import (
+    DEFAULT_BULK_BATCH_MS,
+    DEFAULT_BULK_MAX_WAIT_MS,
+    DEFAULT_BULK_SHARE,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_MAX_INFLIGHT,
@@ -42,8 +46,6 @@ from redbatch.common.protocol import DEFAULT_PREFIX, Lane
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
 
 HELP = """redbatch: dynamic-batching PyTorch inference over Redis streams.
 
@@ -98,6 +100,16 @@ def main() -> None:
 @_opt("--max-inflight", env="MAX_INFLIGHT", type=click.IntRange(min=1),
       default=DEFAULT_MAX_INFLIGHT,
       help="Jobs read but not yet answered (= shared-memory slots).")
+@_opt("--bulk-max-wait-ms", env="BULK_MAX_WAIT_MS", type=click.FloatRange(min=0),
+      default=DEFAULT_BULK_MAX_WAIT_MS,
+      help="Longest the oldest bulk request waits for its batch to fill, ms.")
+@_opt("--bulk-share", env="BULK_SHARE", type=click.FloatRange(min=0.01, max=1.0),
+      default=DEFAULT_BULK_SHARE,
+      help="Share of every batch kept for bulk requests while any wait (never starved).")
+@_opt("--bulk-batch-ms", env="BULK_BATCH_MS", type=click.FloatRange(min=0),
+      default=DEFAULT_BULK_BATCH_MS,
+      help="Longest expected run time of a batch holding bulk requests, ms (0: no limit); "
+           "bounds how long interactive requests wait behind bulk work.")
 @_opt("--pool-processes", env="POOL_PROCESSES", type=click.IntRange(min=1),
       default=default_pool_processes(), help="Preprocessing processes (default: cores - 1).")
 @_opt("--torch-threads", env="TORCH_THREADS", type=click.IntRange(min=0), default=0,
@@ -136,8 +148,12 @@ def build_settings(options: dict[str, Any]) -> Settings:
     return Settings(
         redis=RedisSettings.from_dsn(options["redis_url"] or DEFAULT_REDIS_URL,
                                      options["prefix"]),
-        batch=BatchSettings(options["max_batch_size"], options["max_wait_ms"],
-                            max(options["max_inflight"], options["max_batch_size"])),
+        batch=BatchSettings(max_batch_size=options["max_batch_size"],
+                            max_wait_ms=options["max_wait_ms"],
+                            max_inflight=max(options["max_inflight"], options["max_batch_size"]),
+                            bulk_max_wait_ms=options["bulk_max_wait_ms"],
+                            bulk_share=options["bulk_share"],
+                            bulk_batch_ms=options["bulk_batch_ms"]),
         pool=PoolSettings(processes=options["pool_processes"]),
         limits=LimitSettings(max_payload_bytes=options["max_payload_bytes"],
                              max_image_pixels=options["max_image_pixels"]),
@@ -170,21 +186,29 @@ def _signals_stop(stop: Callable[[], None], abort: Callable[[], None]) -> Iterat
 # ---------------------------------------------------------------------------- submit
 
 
-def expand_inputs(paths: tuple[str, ...]) -> Iterator[Path]:
-    """Files as given; directories walked recursively for image files, sorted."""
-    for raw in paths:
-        path = Path(raw)
-        if path.is_dir():
-            yield from sorted(p for p in path.rglob("*")
-                              if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-        else:
-            yield path
+@contextmanager
+def _redis_for(options: dict[str, Any]) -> Iterator[str]:
+    """The configured Redis URL; with none, a private redis-server and local worker."""
+    if options["redis_url"]:
+        yield options["redis_url"]
+        return
+    from redbatch.common.local_stack import LocalStack
+    from redbatch.common.redis_server import RedisServerError
+
+    name = options["model_name"] or model_name_from_spec(options["model_spec"])
+    try:
+        with LocalStack(options["model_spec"], name, options["prefix"]) as stack:
+            stack.wait_ready()
+            yield stack.url
+    except RedisServerError as e:
+        raise click.ClickException(str(e)) from e
 
 
 @main.command()
 @_common_options
 @click.argument("files", nargs=-1, required=True, type=click.Path())
-@_opt("--wait/--no-wait", env="WAIT", default=False, help="Wait for and print each result.")
+@_opt("--wait/--no-wait", env="WAIT", default=False,
+      help="Wait for and print each result (always on with a private stack).")
 @_opt("--timeout-s", env="TIMEOUT_S", type=click.FloatRange(min=0.001), default=60.0,
       help="Deadline of each job and how long to wait for it, seconds.")
 @_opt("--lane", env="LANE", type=click.Choice([lane.value for lane in Lane]),
@@ -193,28 +217,90 @@ def submit(files: tuple[str, ...], wait: bool, timeout_s: float, lane: str,
            **options: Any) -> None:
     """Submit image FILES (or folders of images); print one JSON line per file."""
     setup_logging(options["log_level"])
+    from redbatch.producer.inputs import iter_items
     from redbatch.producer.submit import submit_files
 
     name = options["model_name"] or model_name_from_spec(options["model_spec"])
-    paths = list(expand_inputs(files))
-    if options["redis_url"]:
-        ok = submit_files(options["redis_url"], paths, model=name, prefix=options["prefix"],
-                          wait=wait, timeout_s=timeout_s, lane=lane)
-    else:
-        ok = _submit_with_local_stack(paths, name, options, wait, timeout_s, lane)
+    paths = [Path(item.path) for item in iter_items(files)]
+    # The private stack goes away when we return, so its results are always awaited.
+    wait = wait or not options["redis_url"]
+    with _signals_raise(), _redis_for(options) as url:
+        ok = submit_files(url, paths, model=name, prefix=options["prefix"], wait=wait,
+                          timeout_s=timeout_s, lane=lane)
     sys.exit(0 if ok else 1)
 
 
-def _submit_with_local_stack(paths: list[Path], name: str, options: dict[str, Any],
-                             wait: bool, timeout_s: float, lane: str) -> bool:
-    from redbatch.common.local_stack import LocalStack
-    from redbatch.producer.submit import submit_files
+# ---------------------------------------------------------------------------- score
 
-    with _signals_raise(), LocalStack(options["model_spec"], name, options["prefix"]) as stack:
-        stack.wait_ready()
-        # The private stack goes away when we return, so results are always awaited.
-        return submit_files(stack.url, paths, model=name, prefix=options["prefix"],
-                            wait=True, timeout_s=timeout_s, lane=lane)
+
+@main.command()
+@_common_options
+@click.argument("inputs", nargs=-1, required=True, type=click.Path())
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="Output file: one record per input.")
+@_opt("--format", "fmt", env="FORMAT", type=click.Choice(["jsonl", "csv"]), default=None,
+      help="Output format; default: from the output's suffix (.csv), else jsonl.")
+@_opt("--resume", env="RESUME", is_flag=True, default=False,
+      help="Skip inputs already in the output file and append the rest.")
+@_opt("--overwrite", env="OVERWRITE", is_flag=True, default=False,
+      help="Replace an existing output file.")
+@_opt("--window", env="WINDOW", type=click.IntRange(min=1), default=256,
+      help="Jobs in flight at most.")
+@_opt("--timeout-s", env="TIMEOUT_S", type=click.FloatRange(min=0.001), default=3600.0,
+      help="Deadline of each job, seconds; late ones are written as 'timeout'.")
+@_opt("--grace-s", env="GRACE_S", type=click.FloatRange(min=0), default=10.0,
+      help="After Ctrl-C/SIGTERM, how long jobs in flight are still collected.")
+@_opt("--lane", env="LANE", type=click.Choice([lane.value for lane in Lane]),
+      default=Lane.BULK.value, help="Which lane the jobs go to.")
+def score(inputs: tuple[str, ...], output: str, fmt: str | None, resume: bool,
+          overwrite: bool, window: int, timeout_s: float, grace_s: float, lane: str,
+          **options: Any) -> None:
+    """Score INPUTS (images, folders, .txt or .jsonl manifests) into an output file.
+
+    Per-input failures are records in the output; the exit code is non-zero only when
+    the run could not complete (1) or was interrupted (130; rerun with --resume).
+    """
+    setup_logging(options["log_level"])
+    from redbatch.producer.bulk import ScoreSettings
+    from redbatch.producer.inputs import ManifestError
+
+    fmt = fmt or ("csv" if output.lower().endswith(".csv") else "jsonl")
+    if Path(output).exists() and not (resume or overwrite):
+        raise click.ClickException(f"{output} exists: use --resume to finish it or "
+                                   "--overwrite to replace it")
+    settings = ScoreSettings(window=window, lane=Lane(lane), timeout_s=timeout_s,
+                             grace_s=grace_s)
+    try:
+        complete = _score(inputs, output, fmt, resume, settings, options)
+    except ManifestError as e:
+        raise click.ClickException(str(e)) from e
+    sys.exit(0 if complete else 130)
+
+
+def _score(inputs: tuple[str, ...], output: str, fmt: str, resume: bool,
+           settings: Any, options: dict[str, Any]) -> bool:
+    from redbatch.producer.bulk import BulkScorer
+    from redbatch.producer.client import Client
+    from redbatch.producer.inputs import count_items, iter_items
+    from redbatch.producer.output import DoneIndex, OutputWriter
+    from redbatch.producer.progress import Progress
+
+    done = DoneIndex.from_output(output, fmt) if resume else DoneIndex.empty()
+    name = options["model_name"] or model_name_from_spec(options["model_spec"])
+    with _signals_raise(), _redis_for(options) as url, \
+            Client(url, model=name, prefix=options["prefix"]) as client:
+        writer = OutputWriter(output, fmt, append=resume)
+        scorer = BulkScorer(client, writer, settings, done)
+        scorer.progress = progress = Progress(scorer.stats)
+        threading.Thread(target=lambda: setattr(progress, "total", count_items(inputs)),
+                         name="count-inputs", daemon=True).start()
+        try:
+            with _signals_stop(scorer.stop, scorer.stop):
+                complete = scorer.run(iter_items(inputs))
+        finally:
+            writer.close()
+            click.echo(scorer.stats.summary(), err=True)
+    return complete
 
 
 @contextmanager

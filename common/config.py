@@ -22,6 +22,9 @@ DEFAULT_MODEL = "efficientnet_lite0"
 DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_MAX_WAIT_MS = 5.0
 DEFAULT_MAX_INFLIGHT = 64
+DEFAULT_BULK_MAX_WAIT_MS = 50.0
+DEFAULT_BULK_SHARE = 0.125
+DEFAULT_BULK_BATCH_MS = 0.0
 DEFAULT_MAX_PAYLOAD_BYTES = 20 * 1024 * 1024
 DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
 
@@ -58,6 +61,14 @@ class BatchSettings:
     max_wait_ms: float = DEFAULT_MAX_WAIT_MS
     #: Jobs read from Redis but not yet answered (bounds memory and shared-memory slots).
     max_inflight: int = DEFAULT_MAX_INFLIGHT
+    #: How long the oldest bulk request waits for a fuller batch, ms.
+    bulk_max_wait_ms: float = DEFAULT_BULK_MAX_WAIT_MS
+    #: Share of every batch kept for bulk requests while they wait (the anti-starvation rule).
+    bulk_share: float = DEFAULT_BULK_SHARE
+    #: Expected run time a batch holding bulk requests may reach, ms; 0 for no limit.
+    bulk_batch_ms: float = DEFAULT_BULK_BATCH_MS
+    #: In-flight places bulk jobs may never take, so interactive jobs are read at once.
+    interactive_reserve: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -66,6 +77,11 @@ class BatchSettings:
             raise ValueError("max_wait_ms must be >= 0")
         if self.max_inflight < self.max_batch_size:
             raise ValueError("max_inflight must be >= max_batch_size")
+        if self.interactive_reserve == 0:  # default: room for one full interactive batch
+            object.__setattr__(self, "interactive_reserve",
+                               min(self.max_batch_size, self.max_inflight - 1))
+        if not 0 <= self.interactive_reserve < self.max_inflight:
+            raise ValueError("interactive_reserve must be below max_inflight")
 
 
 def default_pool_processes() -> int:

@@ -153,6 +153,16 @@ class Keys:
         """List key that receives one token when the result is written (BLPOP it)."""
         return f"{self._base}:done:{request_id}"
 
+    def reply(self, name: str) -> str:
+        """A client's reply list: workers push the request id of each finished job whose
+        envelope names it, so a client with many jobs in flight waits on one key."""
+        return f"{self._base}:reply:{validate_name(name, 'reply')}"
+
+    def is_reply(self, key: str) -> bool:
+        """True for a key :meth:`reply` can produce; workers write no other list a job names."""
+        prefix = f"{self._base}:reply:"
+        return key.startswith(prefix) and bool(_NAME_RE.match(key[len(prefix):]))
+
 
 # --------------------------------------------------------------------------- msgpack
 
@@ -201,6 +211,8 @@ class JobEnvelope:
     """Client's wall clock after which the result is useless, or None."""
     lane: Lane = Lane.INTERACTIVE
     params: Mapping[str, Any] = field(default_factory=dict)
+    reply_to: str | None = None
+    """Optional reply list (see Keys.reply) that receives the request id when done."""
     version: int = PROTOCOL_VERSION
 
     def encode(self) -> dict[str, bytes]:
@@ -215,6 +227,8 @@ class JobEnvelope:
             "lane": Lane(self.lane).value,
             "params": dict(self.params),
         }
+        if self.reply_to is not None:
+            body["reply_to"] = self.reply_to
         return {FIELD_REQUEST_ID: self.request_id.encode(), FIELD_JOB: packb(body)}
 
     @property
@@ -290,6 +304,9 @@ def _job_from_body(request_id: str, body: Any, max_payload_bytes: int) -> JobEnv
         validate_name(body["model"])
     except ValueError as e:
         raise ProtocolError(ErrorCode.BAD_ENVELOPE, str(e)) from e
+    reply_to = body.get("reply_to")
+    if reply_to is not None and not isinstance(reply_to, str):
+        raise ProtocolError(ErrorCode.BAD_ENVELOPE, "field 'reply_to' must be a string or nil")
     return JobEnvelope(
         request_id=request_id,
         model=body["model"],
@@ -299,6 +316,7 @@ def _job_from_body(request_id: str, body: Any, max_payload_bytes: int) -> JobEnv
         deadline_ms=body["deadline_ms"],
         lane=lane,
         params=_check_params(body["params"]),
+        reply_to=reply_to,
     )
 
 

@@ -18,8 +18,10 @@ Times are seconds on one monotonic clock chosen by the caller.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 
@@ -29,6 +31,9 @@ class Batchable(Protocol):
 
     @property
     def deadline_s(self) -> float | None: ...
+
+    @property
+    def bulk(self) -> bool: ...
 
 
 T = TypeVar("T", bound=Batchable)
@@ -74,11 +79,39 @@ class LatencyEstimator:
         return self._by_size[lo] + frac * (self._by_size[hi] - self._by_size[lo])
 
 
+@dataclass(frozen=True, slots=True)
+class LanePolicy:
+    """How the bulk lane shares batches with the interactive lane."""
+
+    #: Longest the oldest bulk request waits for a fuller batch, seconds.
+    bulk_max_wait_s: float = 0.05
+    #: While bulk requests wait, at least ceil(share x max_batch_size) of every batch is bulk
+    #: (at least one): the guarantee that interactive traffic never starves bulk.
+    bulk_share: float = 0.125
+    #: Expected run time a batch holding bulk requests may reach, seconds (None: no limit).
+    #: Bounds how long an interactive request can be held up behind bulk work.
+    bulk_batch_budget_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.bulk_share <= 1:
+            raise ValueError("bulk_share must be in (0, 1]")
+        if self.bulk_max_wait_s < 0:
+            raise ValueError("bulk_max_wait_s must be >= 0")
+
+
 class Batcher(Generic[T]):
-    """A FIFO of waiting requests with the release rules above."""
+    """Two FIFOs (interactive, bulk) with the release and composition rules above.
+
+    Composition of a released batch: interactive requests first, oldest
+    first; the rest of the room goes to bulk; while bulk requests wait, at
+    least ``ceil(bulk_share x max_batch_size)`` places are theirs. A batch
+    holding bulk requests is cut so its expected run time stays within
+    ``bulk_batch_budget_s`` (never below the reserved bulk places).
+    """
 
     def __init__(self, max_batch_size: int, max_wait_s: float,
-                 run_time: RunTimeModel = no_run_time) -> None:
+                 run_time: RunTimeModel = no_run_time,
+                 lanes: LanePolicy | None = None) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         if max_wait_s < 0:
@@ -86,49 +119,79 @@ class Batcher(Generic[T]):
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.run_time = run_time
-        self._queue: deque[T] = deque()
+        self.lanes = lanes or LanePolicy(bulk_max_wait_s=max_wait_s)
+        self._interactive: deque[T] = deque()
+        self._bulk: deque[T] = deque()
+        self._reserve = max(1, math.ceil(self.lanes.bulk_share * max_batch_size))
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self._interactive) + len(self._bulk)
 
     def add(self, item: T) -> None:
-        self._queue.append(item)
+        (self._bulk if item.bulk else self._interactive).append(item)
 
     def _earliest_deadline(self) -> float | None:
-        deadlines = [i.deadline_s for i in self._queue if i.deadline_s is not None]
+        deadlines = [i.deadline_s for q in (self._interactive, self._bulk) for i in q
+                     if i.deadline_s is not None]
         return min(deadlines) if deadlines else None
 
     def _release_at(self) -> float | None:
-        """The moment the current queue must be released (None when empty)."""
-        if not self._queue:
+        """The moment the current queues must be released (None when empty)."""
+        waits = [q[0].arrival_s + wait for q, wait in
+                 ((self._interactive, self.max_wait_s), (self._bulk, self.lanes.bulk_max_wait_s))
+                 if q]
+        if not waits:
             return None
-        release = self._queue[0].arrival_s + self.max_wait_s
+        release = min(waits)
         deadline = self._earliest_deadline()
         if deadline is not None:
-            size = min(len(self._queue), self.max_batch_size)
-            release = min(release, deadline - self.run_time(size))
+            release = min(release, deadline - self.run_time(min(len(self), self.max_batch_size)))
         return release
+
+    def _budget_size(self) -> int:
+        """Largest batch whose expected run time fits the bulk budget (at least 1)."""
+        budget = self.lanes.bulk_batch_budget_s
+        if budget is None:
+            return self.max_batch_size
+        n = 1
+        while n < self.max_batch_size and self.run_time(n + 1) <= budget:
+            n += 1
+        return n
+
+    def _composition(self) -> tuple[int, int]:
+        """How many interactive and bulk requests the next batch takes."""
+        reserve = min(len(self._bulk), self._reserve)
+        take_i = min(len(self._interactive), self.max_batch_size - reserve)
+        take_b = min(len(self._bulk), self.max_batch_size - take_i)
+        if take_b:
+            take_b = min(take_b, max(reserve, self._budget_size() - take_i))
+        return take_i, take_b
 
     def pop_ready(self, now: float) -> list[T]:
         """The next batch if one is due at ``now``, else an empty list.
 
         Call it only when the model is free. A returned batch always holds at
-        least one and at most ``max_batch_size`` requests, oldest first.
+        least one and at most ``max_batch_size`` requests.
         """
         release = self._release_at()
         if release is None:
             return []
-        if len(self._queue) < self.max_batch_size and now < release:
+        if len(self) < self.max_batch_size and now < release:
             return []
-        n = min(len(self._queue), self.max_batch_size)
-        return [self._queue.popleft() for _ in range(n)]
+        take_i, take_b = self._composition()
+        return [self._interactive.popleft() for _ in range(take_i)] + \
+               [self._bulk.popleft() for _ in range(take_b)]
 
     def pop_expired(self, now: float) -> list[T]:
         """Requests whose deadline is already past; they must be answered, not run."""
-        expired = [i for i in self._queue if i.deadline_s is not None and i.deadline_s <= now]
-        if expired:
-            keep = [i for i in self._queue if i.deadline_s is None or i.deadline_s > now]
-            self._queue = deque(keep)
+        expired: list[T] = []
+        for queue in (self._interactive, self._bulk):
+            late = [i for i in queue if i.deadline_s is not None and i.deadline_s <= now]
+            if late:
+                expired += late
+                keep = [i for i in queue if i.deadline_s is None or i.deadline_s > now]
+                queue.clear()
+                queue.extend(keep)
         return expired
 
     def next_wakeup(self, now: float) -> float | None:

@@ -13,9 +13,12 @@ class Capacity:
     per job once its result is written.
     """
 
-    def __init__(self, permits: int) -> None:
+    def __init__(self, permits: int, bulk_limit: int | None = None) -> None:
         self.total = permits
+        #: Permits bulk jobs may hold at once; the rest stay free for interactive jobs.
+        self.bulk_limit = permits if bulk_limit is None else min(bulk_limit, permits)
         self._free = permits
+        self._bulk = 0
         self._cond = threading.Condition()
 
     def take_up_to(self, n: int, timeout_s: float) -> int:
@@ -27,12 +30,24 @@ class Capacity:
             self._free -= taken
             return taken
 
-    def give_back(self, n: int) -> None:
+    def bulk_room(self) -> int:
+        """How many more bulk jobs may be read now."""
+        with self._cond:
+            return max(0, self.bulk_limit - self._bulk)
+
+    def took_bulk(self, n: int) -> None:
+        """Record that ``n`` of the permits taken went to bulk jobs."""
+        with self._cond:
+            self._bulk += n
+
+    def give_back(self, n: int, bulk: int = 0) -> None:
+        """Return ``n`` permits, ``bulk`` of which were held by bulk jobs."""
         if n <= 0:
             return
         with self._cond:
             self._free += n
-            if self._free > self.total:
+            self._bulk -= bulk
+            if self._free > self.total or self._bulk < 0:
                 raise RuntimeError("more permits given back than taken")
             self._cond.notify_all()
 

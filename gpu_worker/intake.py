@@ -22,6 +22,7 @@ from redbatch.common.protocol import (
     ErrorCode,
     JobEnvelope,
     Keys,
+    Lane,
     ProtocolError,
 )
 from redbatch.common.redis_io import StreamEntry, normalise_xread
@@ -52,6 +53,10 @@ class Job:
     @property
     def request_id(self) -> str:
         return self.envelope.request_id
+
+    @property
+    def bulk(self) -> bool:
+        return self.envelope.lane is Lane.BULK
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,11 +114,13 @@ class Intake:
     def recovering(self) -> bool:
         return bool(self._pending_from)
 
-    def read(self, count: int, block_ms: int) -> tuple[list[Job], list[BadEntry]]:
-        """Up to ``count`` entries (own pending first), validated."""
+    def read(self, count: int, bulk_count: int,
+             block_ms: int) -> tuple[list[Job], list[BadEntry]]:
+        """Up to ``count`` entries, at most ``bulk_count`` of them from the bulk lane (own
+        pending entries first, whatever their lane), validated."""
         entries = self._read_pending(count) if self.recovering else []
         if not entries:
-            entries = self._read_new(count, block_ms)
+            entries = self._read_new(count, bulk_count, block_ms)
         now_ms = self._clock.redis_now_ms()
         jobs: list[Job] = []
         bad: list[BadEntry] = []
@@ -139,16 +146,21 @@ class Intake:
             del self._pending_from[stream]
         return []
 
-    def _read_new(self, count: int, block_ms: int) -> list[tuple[str, StreamEntry]]:
-        # Highest-priority lane first, without blocking; block on all only when idle.
-        got: list[tuple[str, StreamEntry]] = []
-        for stream in self.keys.streams():
-            if len(got) < count:
-                got += self._xreadgroup({stream: ">"}, count - len(got), None)
+    def _read_new(self, count: int, bulk_count: int,
+                  block_ms: int) -> list[tuple[str, StreamEntry]]:
+        # Interactive first, without blocking; then bulk into what room is left for it.
+        interactive, bulk = self.keys.stream(Lane.INTERACTIVE), self.keys.stream(Lane.BULK)
+        got = self._xreadgroup({interactive: ">"}, count, None)
+        bulk_count = min(bulk_count, count - len(got))
+        if bulk_count > 0:
+            got += self._xreadgroup({bulk: ">"}, bulk_count, None)
         if got or block_ms <= 0:
             return got
-        streams: dict[str, bytes | str] = {s: ">" for s in self.keys.streams()}
-        return self._xreadgroup(streams, max(1, count // len(streams)), block_ms)
+        # Idle: block on both lanes, or on interactive alone when bulk has no room.
+        if bulk_count > 0:
+            return self._xreadgroup({interactive: ">", bulk: ">"}, min(count, bulk_count),
+                                    block_ms)
+        return self._xreadgroup({interactive: ">"}, count, block_ms)
 
     def _decode(self, stream: str, entry: StreamEntry, now_ms: float) -> Job | BadEntry:
         entry_id, fields = entry
@@ -162,6 +174,10 @@ class Intake:
         if env.model != self.keys.model:
             return BadEntry(stream, entry_id, env.request_id, ErrorCode.WRONG_MODEL,
                             f"job for model {env.model!r} on the stream of {self.keys.model!r}")
+        if env.reply_to is not None and not self.keys.is_reply(env.reply_to):
+            # Never let a job make the worker write to an arbitrary key.
+            return BadEntry(stream, entry_id, env.request_id, ErrorCode.BAD_ENVELOPE,
+                            f"reply_to {env.reply_to[:100]!r} is not a reply key of this model")
         return _job(env, stream, entry_id, now_ms)
 
 

@@ -38,9 +38,9 @@ from typing import Any
 
 from redbatch.common import malloc_tuning
 from redbatch.common.config import Settings
-from redbatch.common.protocol import ErrorCode, Keys
+from redbatch.common.protocol import ErrorCode, Keys, Lane
 from redbatch.common.redis_io import REDIS_ERRORS, RedisUnavailable, connect
-from redbatch.gpu_worker.batcher import Batcher, LatencyEstimator
+from redbatch.gpu_worker.batcher import Batcher, LanePolicy, LatencyEstimator
 from redbatch.gpu_worker.capacity import Capacity
 from redbatch.gpu_worker.handlers import Handler, load_handler
 from redbatch.gpu_worker.intake import BadEntry, Intake, Job
@@ -96,10 +96,14 @@ class Worker:
         self._retry_at = 0.0
         self._stop_deadline: float | None = None
         self._threads: list[threading.Thread] = []
-        self.capacity = Capacity(settings.batch.max_inflight)
+        b = settings.batch
+        # Bulk jobs never take the in-flight places kept for interactive ones.
+        self.capacity = Capacity(b.max_inflight, b.max_inflight - b.interactive_reserve)
         self.latency = LatencyEstimator()
-        self.batcher: Batcher[Job] = Batcher(settings.batch.max_batch_size,
-                                             settings.batch.max_wait_ms / 1000, self.latency)
+        lanes = LanePolicy(bulk_max_wait_s=b.bulk_max_wait_ms / 1000, bulk_share=b.bulk_share,
+                           bulk_batch_budget_s=b.bulk_batch_ms / 1000 if b.bulk_batch_ms else None)
+        self.batcher: Batcher[Job] = Batcher(b.max_batch_size, b.max_wait_ms / 1000,
+                                             self.latency, lanes)
         self.pool: PreprocPool | None = None
         self.slots: SlotArray | None = None
         self.runner: Any = None
@@ -159,7 +163,8 @@ class Worker:
         torch.set_num_threads(choose_torch_threads(s.model.torch_threads, s.pool.processes))
         device = resolve_device(s.model.device)
         self.runner = ModelRunner(handler, device, self.slots.array, s.batch.max_batch_size)
-        self.runner.warmup([1, s.batch.max_batch_size])
+        for size, seconds in self.runner.warmup([1, s.batch.max_batch_size]).items():
+            self.latency.observe(size, seconds)
         logger.info("model ready: device=%s torch_threads=%d pool=%d max_batch=%d "
                     "max_wait_ms=%g", device, torch.get_num_threads(), s.pool.processes,
                     s.batch.max_batch_size, s.batch.max_wait_ms)
@@ -262,7 +267,8 @@ class Worker:
             assert slot is not None, "a permit always comes with a slot"
             job.slot = slot
             env = job.envelope
-            key = self.pool.submit(slot, env.payload, env.content_type, dict(env.params))
+            key = self.pool.submit(slot, env.payload, env.content_type, dict(env.params),
+                                   urgent=not job.bulk)
             self._pending[key] = job
 
     def _on_preprocessed(self, record: PreprocDone) -> None:
@@ -310,7 +316,8 @@ class Worker:
         for answer in self._answers:
             if answer.slot >= 0:
                 self.allocator.release(answer.slot)
-        self.capacity.give_back(len(self._answers))
+        self.capacity.give_back(len(self._answers),
+                                bulk=sum(a.lane is Lane.BULK for a in self._answers))
         self._answers = []
 
     # ------------------------------------------------------------------ helper threads
@@ -322,12 +329,13 @@ class Worker:
             if n == 0:
                 continue
             try:
-                jobs, bad = self.intake.read(n, s.block_ms)
+                jobs, bad = self.intake.read(n, min(n, self.capacity.bulk_room()), s.block_ms)
             except REDIS_ERRORS as e:
                 self.capacity.give_back(n)
                 logger.warning("reading jobs failed: %s; retrying", e)
                 self._stop.wait(REDIS_RETRY_S)
                 continue
+            self.capacity.took_bulk(sum(job.bulk for job in jobs))
             self.capacity.give_back(n - len(jobs) - len(bad))
             if jobs or bad:
                 self._events.put(_Read(jobs, bad))

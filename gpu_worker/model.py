@@ -63,12 +63,18 @@ class ModelRunner:
         if cuda:
             torch.backends.cudnn.benchmark = True
 
-    def warmup(self, sizes: Sequence[int]) -> None:
-        """Run each batch size once so first requests don't pay for lazy init."""
+    def warmup(self, sizes: Sequence[int]) -> dict[int, float]:
+        """Run each batch size twice so first requests don't pay for lazy init; returns the
+        second (warm) run time of each size in seconds, the batcher's first estimates."""
+        timings = {}
         for size in sorted(set(sizes)):
+            batch = torch.zeros((size, *self._host.shape[1:]), dtype=self._host.dtype)
+            self._forward(batch)
             start = time.perf_counter()
-            self._forward(torch.zeros((size, *self._host.shape[1:]), dtype=self._host.dtype))
-            logger.info("warm-up batch %d: %.1f ms", size, (time.perf_counter() - start) * 1000)
+            self._forward(batch)
+            timings[size] = time.perf_counter() - start
+            logger.info("warm-up batch %d: %.1f ms", size, timings[size] * 1000)
+        return timings
 
     def _forward(self, host_batch: torch.Tensor) -> torch.Tensor:
         context = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()

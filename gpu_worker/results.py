@@ -19,6 +19,7 @@ from redbatch.common.protocol import (
     GROUP,
     ErrorCode,
     Keys,
+    Lane,
     ResultEnvelope,
     Status,
 )
@@ -35,10 +36,15 @@ class Answer:
     request_id: str | None
     encoded: bytes = b""
     slot: int = -1
+    reply_to: str | None = None
+    lane: Lane = Lane.INTERACTIVE
 
 
 def _answer(entry: Job | BadEntry, result: ResultEnvelope, slot: int = -1) -> Answer:
-    return Answer(entry.stream, entry.entry_id, result.request_id, result.encode(), slot)
+    reply_to = entry.envelope.reply_to if isinstance(entry, Job) else None
+    lane = entry.envelope.lane if isinstance(entry, Job) else Lane.INTERACTIVE
+    return Answer(entry.stream, entry.entry_id, result.request_id, result.encode(), slot,
+                  reply_to, lane)
 
 
 class ResultWriter:
@@ -104,6 +110,9 @@ class ResultWriter:
                 pipe.set(self.keys.result(rid), answer.encoded, px=self._ttl_ms)
                 pipe.rpush(self.keys.done(rid), DONE_TOKEN)
                 pipe.pexpire(self.keys.done(rid), self._ttl_ms)
+                if answer.reply_to is not None:
+                    pipe.rpush(answer.reply_to, rid)
+                    pipe.pexpire(answer.reply_to, self._ttl_ms)
         for stream, ids in _by_stream(answers).items():
             pipe.xack(stream, GROUP, *ids)
             pipe.xdel(stream, *ids)

@@ -119,14 +119,18 @@ class PreprocPool:
         return len(self._backlog) + sum(len(c.inflight) for c in self._children)
 
     def submit(self, slot: int, payload: bytes, content_type: str,
-               params: dict[str, Any]) -> int:
-        """Queue a task on the least busy process; returns its key."""
+               params: dict[str, Any], urgent: bool = False) -> int:
+        """Queue a task on the least busy process; returns its key. ``urgent`` tasks
+        (interactive jobs) go ahead of the backlog."""
         task = PreprocTask(next(self._keys), slot, payload, content_type, params)
-        self._assign(task)
+        self._assign(task, urgent)
         return task.key
 
-    def _assign(self, task: PreprocTask) -> None:
-        self._backlog.append(task)
+    def _assign(self, task: PreprocTask, urgent: bool = False) -> None:
+        if urgent:
+            self._backlog.appendleft(task)
+        else:
+            self._backlog.append(task)
         self._dispatch()
 
     def _dispatch(self) -> None:
@@ -177,7 +181,7 @@ class PreprocPool:
                                                 f"preprocessing process died {strikes} times "
                                                 "on this input", attempt=task.attempt))
                     continue
-            self._assign(replace(task, attempt=task.attempt + 1))
+            self._assign(replace(task, attempt=task.attempt + 1), urgent=True)
         return given_up
 
     def pids(self) -> list[int]:

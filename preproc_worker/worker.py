@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.queues import Queue
@@ -79,6 +80,18 @@ def preprocess_one(handler: Any, slots: SlotArray, task: PreprocTask) -> Preproc
     return PreprocDone(task.key, task.slot, code, message, elapsed_ms, task.attempt)
 
 
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """Watchdog thread: leave at once when the worker is gone.
+
+    The loop below checks too, but its main thread can be stuck for good in a
+    read of a task the worker died while writing (this process holds the
+    queue's write end as well, so no end-of-file ever comes).
+    """
+    while os.getppid() == parent_pid:
+        time.sleep(STATUS_CHECK_INTERVAL_S)
+    os._exit(0)
+
+
 def run_child(cfg: ChildConfig, tasks: Queue[PreprocTask | None], results: Queue[PreprocDone],
               current: Synchronized[int]) -> None:
     """Process entry point. ``current`` tells the parent which task is being worked on,
@@ -89,6 +102,7 @@ def run_child(cfg: ChildConfig, tasks: Queue[PreprocTask | None], results: Queue
     # parent check below ends this loop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_when_orphaned, args=(cfg.parent_pid,), daemon=True).start()
     from redbatch.gpu_worker.handlers import load_handler
 
     handler = load_handler(cfg.handler_spec, cfg.limits)

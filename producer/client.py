@@ -54,9 +54,11 @@ class _Base:
     def keys(self, model: str | None = None) -> Keys:
         return Keys(model or self.model, self.prefix)
 
-    def _job(self, payload: bytes, *, model: str | None, timeout_s: float | None,
-             lane: Lane | str, params: Mapping[str, Any] | None, content_type: str,
-             request_id: str | None) -> JobEnvelope:
+    def job(self, payload: bytes, *, model: str | None = None, timeout_s: float | None = None,
+            lane: Lane | str = Lane.INTERACTIVE, params: Mapping[str, Any] | None = None,
+            content_type: str = "application/octet-stream", request_id: str | None = None,
+            reply_to: str | None = None) -> JobEnvelope:
+        """A validated job envelope (not yet sent); ``submit`` takes the same keywords."""
         if not isinstance(payload, bytes | bytearray | memoryview):
             raise TypeError("payload must be bytes")
         if len(payload) > self.max_payload_bytes:
@@ -69,12 +71,12 @@ class _Base:
         return JobEnvelope(request_id=request_id, model=self.keys(model).model,
                            payload=bytes(payload), content_type=content_type,
                            submitted_ms=now_ms, deadline_ms=deadline, lane=Lane(lane),
-                           params=dict(params or {}))
+                           params=dict(params or {}), reply_to=reply_to)
 
 
     def _jobs(self, payloads: Iterable[bytes], kw: Mapping[str, Any]) -> list[JobEnvelope]:
         """Envelopes for submit_many: the keywords of submit, shared by every payload."""
-        return [self._job(p, model=kw.get("model"), timeout_s=kw.get("timeout_s"),
+        return [self.job(p, model=kw.get("model"), timeout_s=kw.get("timeout_s"),
                           lane=kw.get("lane", Lane.INTERACTIVE), params=kw.get("params"),
                           content_type=kw.get("content_type", "application/octet-stream"),
                           request_id=None) for p in payloads]
@@ -103,17 +105,20 @@ class Client(_Base):
         ``timeout_s`` sets the job's deadline: a worker that reaches it later
         answers ``expired`` instead of computing it.
         """
-        job = self._job(payload, model=model, timeout_s=timeout_s, lane=lane, params=params,
-                        content_type=content_type, request_id=request_id)
+        job = self.job(payload, model=model, timeout_s=timeout_s, lane=lane, params=params,
+                       content_type=content_type, request_id=request_id)
         self.redis.xadd(self.keys(model).stream(job.lane), job.encode())  # type: ignore[arg-type]
         return job.request_id
 
     def submit_many(self, payloads: Iterable[bytes], **kw: Any) -> list[str]:
         """Queue many jobs in one pipelined round trip; same keywords as submit."""
-        jobs = self._jobs(payloads, kw)
+        return self.submit_jobs(self._jobs(payloads, kw))
+
+    def submit_jobs(self, jobs: list[JobEnvelope]) -> list[str]:
+        """Queue envelopes made by :meth:`job` in one pipelined round trip."""
         pipe = self.redis.pipeline(transaction=False)
         for job in jobs:
-            pipe.xadd(self.keys(kw.get("model")).stream(job.lane), job.encode())  # type: ignore[arg-type]
+            pipe.xadd(self.keys(job.model).stream(job.lane), job.encode())  # type: ignore[arg-type]
         pipe.execute()
         return [job.request_id for job in jobs]
 
@@ -167,8 +172,8 @@ class AsyncClient(_Base):
                      params: Mapping[str, Any] | None = None,
                      content_type: str = "application/octet-stream",
                      request_id: str | None = None) -> str:
-        job = self._job(payload, model=model, timeout_s=timeout_s, lane=lane, params=params,
-                        content_type=content_type, request_id=request_id)
+        job = self.job(payload, model=model, timeout_s=timeout_s, lane=lane, params=params,
+                       content_type=content_type, request_id=request_id)
         await self.redis.xadd(self.keys(model).stream(job.lane), job.encode())  # type: ignore[arg-type]
         return job.request_id
 

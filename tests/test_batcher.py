@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from redbatch.gpu_worker.batcher import Batcher, LatencyEstimator
+from redbatch.gpu_worker.batcher import Batcher, LanePolicy, LatencyEstimator
 
 
 @dataclass
@@ -13,6 +13,7 @@ class Item:
     name: str
     arrival_s: float
     deadline_s: float | None = None
+    bulk: bool = False
 
 
 def fill(b: Batcher[Item], n: int, at: float, deadline: float | None = None) -> None:
@@ -113,3 +114,74 @@ def test_latency_estimator_interpolates_and_smooths() -> None:
     assert est(1) == pytest.approx(0.2)
     est.observe(2, 0.4)
     assert est(2) == pytest.approx(0.3)
+
+
+# ------------------------------------------------------------------ lanes
+
+
+def lanes(share: float = 0.25, bulk_wait: float = 1.0,
+          budget: float | None = None) -> LanePolicy:
+    return LanePolicy(bulk_max_wait_s=bulk_wait, bulk_share=share, bulk_batch_budget_s=budget)
+
+
+def test_interactive_goes_first_and_bulk_fills_the_rest() -> None:
+    b: Batcher[Item] = Batcher(8, max_wait_s=0.0, lanes=lanes(share=0.25))
+    for i in range(10):
+        b.add(Item(f"b{i}", 0.0, bulk=True))
+    for i in range(3):
+        b.add(Item(f"i{i}", 1.0))
+    batch = b.pop_ready(now=1.0)
+    assert [i.name for i in batch] == ["i0", "i1", "i2", "b0", "b1", "b2", "b3", "b4"]
+
+
+def test_bulk_is_never_starved_by_a_flood_of_interactive() -> None:
+    # share 0.25 of max 8: two places per batch stay bulk while bulk waits.
+    b: Batcher[Item] = Batcher(8, max_wait_s=0.0, lanes=lanes(share=0.25))
+    for i in range(5):
+        b.add(Item(f"b{i}", 0.0, bulk=True))
+    bulk_seen = []
+    for step in range(3):
+        for i in range(20):  # interactive always more than a batch can take
+            b.add(Item(f"i{step}-{i}", float(step)))
+        batch = b.pop_ready(now=float(step))
+        assert len(batch) == 8
+        bulk_seen.append(sum(i.bulk for i in batch))
+    assert bulk_seen == [2, 2, 1]
+
+
+def test_each_lane_has_its_own_max_wait() -> None:
+    b: Batcher[Item] = Batcher(8, max_wait_s=0.01, lanes=lanes(bulk_wait=0.5))
+    b.add(Item("b", 0.0, bulk=True))
+    assert b.pop_ready(now=0.4) == [] and b.next_wakeup(0.0) == pytest.approx(0.5)
+    b.add(Item("i", 0.4))
+    assert b.next_wakeup(0.4) == pytest.approx(0.41)
+    assert b.pop_ready(now=0.405) == []
+    assert [i.name for i in b.pop_ready(now=0.42)] == ["i", "b"]
+
+
+def test_batches_holding_bulk_fit_the_run_time_budget() -> None:
+    run_time = {n: 0.01 * n for n in range(1, 9)}  # 10 ms per request
+    b: Batcher[Item] = Batcher(8, 0.0, run_time=run_time.__getitem__,
+                               lanes=lanes(share=0.125, budget=0.03))
+    for i in range(20):
+        b.add(Item(f"b{i}", 0.0, bulk=True))
+    assert len(b.pop_ready(now=1.0)) == 3, "bulk-only batch cut to 30 ms"
+    for i in range(5):
+        b.add(Item(f"i{i}", 1.0))
+    batch = b.pop_ready(now=1.0)
+    assert sum(not i.bulk for i in batch) == 5, "interactive is never cut by the bulk budget"
+    assert sum(i.bulk for i in batch) == 1, "but bulk keeps its reserved place"
+
+
+def test_expired_requests_are_found_in_both_lanes() -> None:
+    b: Batcher[Item] = Batcher(8, 1.0, lanes=lanes())
+    b.add(Item("b", 0.0, 0.1, bulk=True))
+    b.add(Item("i", 0.0, 0.1))
+    b.add(Item("keep", 0.0, bulk=True))
+    assert {i.name for i in b.pop_expired(now=0.2)} == {"b", "i"} and len(b) == 1
+
+
+@pytest.mark.parametrize("share", [0.0, 1.5])
+def test_invalid_lane_policy_is_refused(share: float) -> None:
+    with pytest.raises(ValueError):
+        LanePolicy(bulk_share=share)

@@ -59,9 +59,17 @@ def test_result_round_trip_ok_and_error() -> None:
     assert back == err and not back.ok and back.error_code is ErrorCode.BAD_IMAGE
 
 
+def test_reply_keys_are_the_only_lists_a_job_may_name() -> None:
+    k = Keys("m", "rb")
+    assert k.is_reply(k.reply("run-1"))
+    for key in ["rb:{m}:result:x", "rb:{m}:reply:../x", "rb:{other}:reply:a", "rb:{m}:reply:",
+                "rb:{m}:jobs:interactive", "other:{m}:reply:a"]:
+        assert not k.is_reply(key), key
+
+
 def test_keys_share_one_hash_tag() -> None:
     k = Keys("resnet50", "rb")
-    names = [*k.streams(), k.result("a"), k.done("a")]
+    names = [*k.streams(), k.result("a"), k.done("a"), k.reply("r")]
     assert all(n.startswith("rb:{resnet50}:") for n in names)
     assert k.stream(Lane.INTERACTIVE) == "rb:{resnet50}:jobs:interactive"
     assert k.streams()[0].endswith("interactive"), "interactive is served first"
@@ -157,7 +165,7 @@ def test_doc_lists_every_error_code() -> None:
 
 
 def test_doc_job_envelope_matches_code() -> None:
-    encoded = msgpack.unpackb(job().encode()[p.FIELD_JOB])
+    encoded = msgpack.unpackb(job(reply_to="x").encode()[p.FIELD_JOB])
     assert _table_first_column("### Job envelope") == set(encoded)
 
 
@@ -170,6 +178,7 @@ def test_doc_names_keys_fields_and_group() -> None:
     k = Keys("efficientnet_lite0")
     for name in [*k.streams(), k.result("abc"), k.done("abc")]:
         assert f"`{name}`" in DOC
+    assert k.reply("NAME").replace("efficientnet_lite0", "M").replace("redbatch", "P") in DOC
     assert "rid <request id> job <msgpack job envelope>" in DOC
     assert (p.FIELD_REQUEST_ID, p.FIELD_JOB) == ("rid", "job")
     assert f"| consumer group | `{p.GROUP}` |" in DOC

@@ -1,0 +1,84 @@
+"""What to score: image files, folders (recursive) and manifests, streamed one item at a time.
+
+Nothing here holds the whole input list: folders are walked lazily and
+manifests read line by line, so a million inputs cost no more memory than ten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+MANIFEST_SUFFIXES = frozenset({".txt", ".jsonl"})
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One input: ``id`` names it in the output (and for --resume), ``path`` is read and sent."""
+
+    id: str
+    path: str
+
+
+class ManifestError(ValueError):
+    pass
+
+
+def iter_items(inputs: Iterable[str]) -> Iterator[Item]:
+    """Items of every input, in order: files as given, folders walked (sorted, by image
+    suffix), ``.txt`` manifests (a path a line) and ``.jsonl`` manifests (``id``, ``path``).
+    Relative paths in a manifest are relative to the manifest's folder."""
+    for raw in inputs:
+        path = Path(raw)
+        if path.is_dir():
+            yield from _walk(path)
+        elif path.suffix.lower() == ".txt":
+            yield from _txt_manifest(path)
+        elif path.suffix.lower() == ".jsonl":
+            yield from _jsonl_manifest(path)
+        else:
+            yield Item(raw, raw)
+
+
+def _walk(folder: Path) -> Iterator[Item]:
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(files):
+            if os.path.splitext(name)[1].lower() in IMAGE_SUFFIXES:
+                full = os.path.join(root, name)
+                yield Item(full, full)
+
+
+def _resolve(manifest: Path, entry: str) -> str:
+    return entry if os.path.isabs(entry) else str(manifest.parent / entry)
+
+
+def _txt_manifest(manifest: Path) -> Iterator[Item]:
+    with open(manifest, encoding="utf-8") as f:
+        for line in f:
+            entry = line.strip()
+            if entry and not entry.startswith("#"):
+                yield Item(entry, _resolve(manifest, entry))
+
+
+def _jsonl_manifest(manifest: Path) -> Iterator[Item]:
+    with open(manifest, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                item = Item(str(row["id"]), _resolve(manifest, str(row["path"])))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ManifestError(f"{manifest}:{number}: expected an object with 'id' and "
+                                    f"'path' ({e})") from e
+            yield item
+
+
+def count_items(inputs: Iterable[str]) -> int:
+    """How many items ``iter_items`` will yield (a second pass, for the progress bar's ETA)."""
+    return sum(1 for _ in iter_items(inputs))
