@@ -136,8 +136,35 @@ class TorchScriptClassifier(ImageClassifier):
         return module.eval()  # type: ignore[no-any-return]
 
 
+class NullModel:
+    """A model that costs nearly nothing: the mean colour of a 32x32 thumbnail.
+
+    Decoding and every limit still apply, so it measures what redbatch itself
+    costs (Redis, pool, batching) and makes large-scale runs cheap to test.
+    """
+
+    input_shape: tuple[int, ...] = (3, 32, 32)
+    input_dtype = "float32"
+
+    def __init__(self, limits: LimitSettings) -> None:
+        self.limits = limits
+
+    def preprocess(self, payload: bytes, content_type: str, params: Mapping[str, Any],
+                   out: np.ndarray) -> None:
+        img = open_image(payload, self.limits, min_side=32)
+        normalise_into(img.resize((32, 32)), out, 0.0, 255.0)
+
+    def load(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda batch: batch.mean(dim=(2, 3))
+
+    def postprocess(self, outputs: torch.Tensor,
+                    params: Sequence[Mapping[str, Any]]) -> list[Any]:
+        return [{"mean_rgb": [round(v, 4) for v in row]} for row in outputs.tolist()]
+
+
 BUILTIN: dict[str, Callable[[LimitSettings], Handler]] = {
     "efficientnet_lite0": EfficientNetLite0,
+    "null": NullModel,
 }
 
 
