@@ -23,6 +23,7 @@ from redbatch.common.config import (
     DEFAULT_BULK_BATCH_MS,
     DEFAULT_BULK_MAX_WAIT_MS,
     DEFAULT_BULK_SHARE,
+    DEFAULT_BULK_STARVE_MS,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_MAX_INFLIGHT,
@@ -105,11 +106,15 @@ def main() -> None:
       help="Longest the oldest bulk request waits for its batch to fill, ms.")
 @_opt("--bulk-share", env="BULK_SHARE", type=click.FloatRange(min=0.01, max=1.0),
       default=DEFAULT_BULK_SHARE,
-      help="Share of every batch kept for bulk requests while any wait (never starved).")
+      help="Share of a batch owed to bulk requests that went unserved for --bulk-starve-ms.")
+@_opt("--bulk-starve-ms", env="BULK_STARVE_MS", type=click.FloatRange(min=0),
+      default=DEFAULT_BULK_STARVE_MS,
+      help="Longest waiting bulk requests go unserved before they are owed places, ms.")
 @_opt("--bulk-batch-ms", env="BULK_BATCH_MS", type=click.FloatRange(min=0),
       default=DEFAULT_BULK_BATCH_MS,
-      help="Longest expected run time of a batch holding bulk requests, ms (0: no limit); "
-           "bounds how long interactive requests wait behind bulk work.")
+      help="While interactive requests are arriving, the longest expected run time of a "
+           "batch holding bulk requests, ms (0: no limit). Bounds how long interactive "
+           "requests wait behind bulk work; bulk-only traffic always gets full batches.")
 @_opt("--pool-processes", env="POOL_PROCESSES", type=click.IntRange(min=1),
       default=default_pool_processes(), help="Preprocessing processes (default: cores - 1).")
 @_opt("--torch-threads", env="TORCH_THREADS", type=click.IntRange(min=0), default=0,
@@ -153,6 +158,7 @@ def build_settings(options: dict[str, Any]) -> Settings:
                             max_inflight=max(options["max_inflight"], options["max_batch_size"]),
                             bulk_max_wait_ms=options["bulk_max_wait_ms"],
                             bulk_share=options["bulk_share"],
+                            bulk_starve_ms=options["bulk_starve_ms"],
                             bulk_batch_ms=options["bulk_batch_ms"]),
         pool=PoolSettings(processes=options["pool_processes"]),
         limits=LimitSettings(max_payload_bytes=options["max_payload_bytes"],

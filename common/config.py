@@ -24,7 +24,8 @@ DEFAULT_MAX_WAIT_MS = 5.0
 DEFAULT_MAX_INFLIGHT = 64
 DEFAULT_BULK_MAX_WAIT_MS = 50.0
 DEFAULT_BULK_SHARE = 0.125
-DEFAULT_BULK_BATCH_MS = 0.0
+DEFAULT_BULK_BATCH_MS = 25.0
+DEFAULT_BULK_STARVE_MS = 500.0
 DEFAULT_MAX_PAYLOAD_BYTES = 20 * 1024 * 1024
 DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
 
@@ -63,9 +64,12 @@ class BatchSettings:
     max_inflight: int = DEFAULT_MAX_INFLIGHT
     #: How long the oldest bulk request waits for a fuller batch, ms.
     bulk_max_wait_ms: float = DEFAULT_BULK_MAX_WAIT_MS
-    #: Share of every batch kept for bulk requests while they wait (the anti-starvation rule).
+    #: Places of a batch owed to bulk requests that went unserved for bulk_starve_ms.
     bulk_share: float = DEFAULT_BULK_SHARE
-    #: Expected run time a batch holding bulk requests may reach, ms; 0 for no limit.
+    #: How long waiting bulk requests may go unserved before they are owed places, ms.
+    bulk_starve_ms: float = DEFAULT_BULK_STARVE_MS
+    #: Expected run time a batch holding bulk requests may reach while interactive traffic
+    #: is arriving, ms; 0 for no limit (see gpu_worker/batcher.py LanePolicy).
     bulk_batch_ms: float = DEFAULT_BULK_BATCH_MS
     #: In-flight places bulk jobs may never take, so interactive jobs are read at once.
     interactive_reserve: int = 0

@@ -81,32 +81,46 @@ class LatencyEstimator:
 
 @dataclass(frozen=True, slots=True)
 class LanePolicy:
-    """How the bulk lane shares batches with the interactive lane."""
+    """How the bulk lane shares the model with the interactive lane.
+
+    Latency: while interactive requests are arriving (one within
+    ``interactive_recent_s``), a batch holding bulk requests is kept within
+    ``bulk_batch_budget_s`` of expected run time, so an interactive request
+    never waits long behind bulk work; with no interactive traffic, bulk
+    batches grow to ``max_batch_size``.
+
+    No starvation: when bulk requests have waited ``bulk_starve_s`` without
+    any of them being served, the next batch gives them
+    ``ceil(bulk_share x max_batch_size)`` places (at least one), however much
+    interactive work waits. So while bulk waits, some of it runs at least
+    every ``bulk_starve_s`` plus one batch.
+    """
 
     #: Longest the oldest bulk request waits for a fuller batch, seconds.
     bulk_max_wait_s: float = 0.05
-    #: While bulk requests wait, at least ceil(share x max_batch_size) of every batch is bulk
-    #: (at least one): the guarantee that interactive traffic never starves bulk.
+    #: Places of a batch that starving bulk requests get, as a share of max_batch_size.
     bulk_share: float = 0.125
-    #: Expected run time a batch holding bulk requests may reach, seconds (None: no limit).
-    #: Bounds how long an interactive request can be held up behind bulk work.
+    #: How long bulk may go unserved while it waits before it gets reserved places, seconds.
+    bulk_starve_s: float = 0.5
+    #: Expected run time of a batch holding bulk requests while interactive traffic is
+    #: recent, seconds (None: no limit).
     bulk_batch_budget_s: float | None = None
+    #: How recent an interactive arrival must be for the budget to apply, seconds.
+    interactive_recent_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 < self.bulk_share <= 1:
             raise ValueError("bulk_share must be in (0, 1]")
-        if self.bulk_max_wait_s < 0:
-            raise ValueError("bulk_max_wait_s must be >= 0")
+        if self.bulk_max_wait_s < 0 or self.bulk_starve_s < 0:
+            raise ValueError("bulk_max_wait_s and bulk_starve_s must be >= 0")
 
 
 class Batcher(Generic[T]):
-    """Two FIFOs (interactive, bulk) with the release and composition rules above.
+    """Two FIFOs (interactive, bulk) with the release rules above.
 
-    Composition of a released batch: interactive requests first, oldest
-    first; the rest of the room goes to bulk; while bulk requests wait, at
-    least ``ceil(bulk_share x max_batch_size)`` places are theirs. A batch
-    holding bulk requests is cut so its expected run time stays within
-    ``bulk_batch_budget_s`` (never below the reserved bulk places).
+    Composition of a released batch: the places starving bulk requests are
+    owed (see LanePolicy), then interactive requests, oldest first, then bulk
+    requests in the room left within the bulk budget.
     """
 
     def __init__(self, max_batch_size: int, max_wait_s: float,
@@ -123,12 +137,20 @@ class Batcher(Generic[T]):
         self._interactive: deque[T] = deque()
         self._bulk: deque[T] = deque()
         self._reserve = max(1, math.ceil(self.lanes.bulk_share * max_batch_size))
+        self._last_interactive_s = float("-inf")
+        self._bulk_served_s = float("-inf")  # last time bulk got places, or began to wait
 
     def __len__(self) -> int:
         return len(self._interactive) + len(self._bulk)
 
     def add(self, item: T) -> None:
-        (self._bulk if item.bulk else self._interactive).append(item)
+        if item.bulk:
+            if not self._bulk:
+                self._bulk_served_s = max(self._bulk_served_s, item.arrival_s)
+            self._bulk.append(item)
+        else:
+            self._last_interactive_s = max(self._last_interactive_s, item.arrival_s)
+            self._interactive.append(item)
 
     def _earliest_deadline(self) -> float | None:
         deadlines = [i.deadline_s for q in (self._interactive, self._bulk) for i in q
@@ -148,23 +170,24 @@ class Batcher(Generic[T]):
             release = min(release, deadline - self.run_time(min(len(self), self.max_batch_size)))
         return release
 
-    def _budget_size(self) -> int:
-        """Largest batch whose expected run time fits the bulk budget (at least 1)."""
+    def _bulk_cap(self, now: float) -> int:
+        """Largest batch that may hold bulk requests now (at least 1)."""
         budget = self.lanes.bulk_batch_budget_s
-        if budget is None:
+        if budget is None or now - self._last_interactive_s > self.lanes.interactive_recent_s:
             return self.max_batch_size
         n = 1
         while n < self.max_batch_size and self.run_time(n + 1) <= budget:
             n += 1
         return n
 
-    def _composition(self) -> tuple[int, int]:
+    def _composition(self, now: float) -> tuple[int, int]:
         """How many interactive and bulk requests the next batch takes."""
-        reserve = min(len(self._bulk), self._reserve)
-        take_i = min(len(self._interactive), self.max_batch_size - reserve)
-        take_b = min(len(self._bulk), self.max_batch_size - take_i)
-        if take_b:
-            take_b = min(take_b, max(reserve, self._budget_size() - take_i))
+        starving = bool(self._bulk) and now - self._bulk_served_s >= self.lanes.bulk_starve_s
+        owed = min(len(self._bulk), self._reserve) if starving else 0
+        take_i = min(len(self._interactive), self.max_batch_size - owed)
+        room = max(0, self._bulk_cap(now) - take_i - owed)
+        # Never empty: with no interactive request taken, room is at least one.
+        take_b = owed + min(len(self._bulk) - owed, room)
         return take_i, take_b
 
     def pop_ready(self, now: float) -> list[T]:
@@ -178,7 +201,9 @@ class Batcher(Generic[T]):
             return []
         if len(self) < self.max_batch_size and now < release:
             return []
-        take_i, take_b = self._composition()
+        take_i, take_b = self._composition(now)
+        if take_b:
+            self._bulk_served_s = now
         return [self._interactive.popleft() for _ in range(take_i)] + \
                [self._bulk.popleft() for _ in range(take_b)]
 

@@ -101,6 +101,7 @@ class Worker:
         self.capacity = Capacity(b.max_inflight, b.max_inflight - b.interactive_reserve)
         self.latency = LatencyEstimator()
         lanes = LanePolicy(bulk_max_wait_s=b.bulk_max_wait_ms / 1000, bulk_share=b.bulk_share,
+                           bulk_starve_s=b.bulk_starve_ms / 1000,
                            bulk_batch_budget_s=b.bulk_batch_ms / 1000 if b.bulk_batch_ms else None)
         self.batcher: Batcher[Job] = Batcher(b.max_batch_size, b.max_wait_ms / 1000,
                                              self.latency, lanes)

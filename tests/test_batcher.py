@@ -119,9 +119,10 @@ def test_latency_estimator_interpolates_and_smooths() -> None:
 # ------------------------------------------------------------------ lanes
 
 
-def lanes(share: float = 0.25, bulk_wait: float = 1.0,
-          budget: float | None = None) -> LanePolicy:
-    return LanePolicy(bulk_max_wait_s=bulk_wait, bulk_share=share, bulk_batch_budget_s=budget)
+def lanes(share: float = 0.25, bulk_wait: float = 1.0, budget: float | None = None,
+          starve: float = 0.5) -> LanePolicy:
+    return LanePolicy(bulk_max_wait_s=bulk_wait, bulk_share=share, bulk_batch_budget_s=budget,
+                      bulk_starve_s=starve)
 
 
 def test_interactive_goes_first_and_bulk_fills_the_rest() -> None:
@@ -129,24 +130,24 @@ def test_interactive_goes_first_and_bulk_fills_the_rest() -> None:
     for i in range(10):
         b.add(Item(f"b{i}", 0.0, bulk=True))
     for i in range(3):
-        b.add(Item(f"i{i}", 1.0))
-    batch = b.pop_ready(now=1.0)
+        b.add(Item(f"i{i}", 0.1))
+    batch = b.pop_ready(now=0.1)
     assert [i.name for i in batch] == ["i0", "i1", "i2", "b0", "b1", "b2", "b3", "b4"]
 
 
 def test_bulk_is_never_starved_by_a_flood_of_interactive() -> None:
-    # share 0.25 of max 8: two places per batch stay bulk while bulk waits.
-    b: Batcher[Item] = Batcher(8, max_wait_s=0.0, lanes=lanes(share=0.25))
+    # share 0.25 of max 8: two places for bulk once it has waited 0.5 s unserved.
+    b: Batcher[Item] = Batcher(8, max_wait_s=0.0, lanes=lanes(share=0.25, starve=0.5))
     for i in range(5):
         b.add(Item(f"b{i}", 0.0, bulk=True))
-    bulk_seen = []
-    for step in range(3):
-        for i in range(20):  # interactive always more than a batch can take
-            b.add(Item(f"i{step}-{i}", float(step)))
-        batch = b.pop_ready(now=float(step))
+    bulk_per_batch = []
+    for now in (0.0, 0.2, 0.5, 0.6, 0.9, 1.0, 1.5):
+        for i in range(20):  # more interactive than a batch can take, every time
+            b.add(Item(f"i{now}-{i}", now))
+        batch = b.pop_ready(now=now)
         assert len(batch) == 8
-        bulk_seen.append(sum(i.bulk for i in batch))
-    assert bulk_seen == [2, 2, 1]
+        bulk_per_batch.append(sum(i.bulk for i in batch))
+    assert bulk_per_batch == [0, 0, 2, 0, 0, 2, 1]
 
 
 def test_each_lane_has_its_own_max_wait() -> None:
@@ -159,18 +160,21 @@ def test_each_lane_has_its_own_max_wait() -> None:
     assert [i.name for i in b.pop_ready(now=0.42)] == ["i", "b"]
 
 
-def test_batches_holding_bulk_fit_the_run_time_budget() -> None:
+def test_bulk_batches_fit_the_budget_only_while_interactive_traffic_is_recent() -> None:
     run_time = {n: 0.01 * n for n in range(1, 9)}  # 10 ms per request
     b: Batcher[Item] = Batcher(8, 0.0, run_time=run_time.__getitem__,
-                               lanes=lanes(share=0.125, budget=0.03))
-    for i in range(20):
+                               lanes=lanes(share=0.125, budget=0.03, starve=100.0))
+    for i in range(40):
         b.add(Item(f"b{i}", 0.0, bulk=True))
-    assert len(b.pop_ready(now=1.0)) == 3, "bulk-only batch cut to 30 ms"
-    for i in range(5):
-        b.add(Item(f"i{i}", 1.0))
+    assert len(b.pop_ready(now=1.0)) == 8, "no interactive traffic: full bulk batches"
+    b.add(Item("i0", 1.0))
     batch = b.pop_ready(now=1.0)
-    assert sum(not i.bulk for i in batch) == 5, "interactive is never cut by the bulk budget"
-    assert sum(i.bulk for i in batch) == 1, "but bulk keeps its reserved place"
+    assert [i.name for i in batch][0] == "i0" and len(batch) == 3, "1 + bulk within 30 ms"
+    assert len(b.pop_ready(now=1.5)) == 3, "bulk-only batch held to 30 ms while traffic recent"
+    for i in range(4):
+        b.add(Item(f"i{i + 1}", 1.6))
+    assert sum(i.bulk for i in b.pop_ready(now=1.6)) == 0, "no bulk behind 40 ms of interactive"
+    assert len(b.pop_ready(now=3.0)) == 8, "traffic no longer recent: full batches again"
 
 
 def test_expired_requests_are_found_in_both_lanes() -> None:
