@@ -178,7 +178,7 @@ def _signals_stop(stop: Callable[[], None], abort: Callable[[], None]) -> Iterat
 
     def handler(signum: int, frame: FrameType | None) -> None:
         seen.append(signum)
-        logger.warning("signal %s: %s", signum, "stopping" if len(seen) == 1 else "aborting")
+        logger.info("signal %s: %s", signum, "stopping" if len(seen) == 1 else "aborting")
         (stop if len(seen) == 1 else abort)()
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -203,7 +203,9 @@ def _redis_for(options: dict[str, Any]) -> Iterator[str]:
 
     name = options["model_name"] or model_name_from_spec(options["model_spec"])
     try:
-        with LocalStack(options["model_spec"], name, options["prefix"]) as stack:
+        # The private worker's start-up lines would bury the command's own output.
+        quiet = [] if options["log_level"].upper() == "DEBUG" else ["--log-level", "WARNING"]
+        with LocalStack(options["model_spec"], name, options["prefix"], quiet) as stack:
             stack.wait_ready()
             yield stack.url
     except RedisServerError as e:

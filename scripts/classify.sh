@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The main job: classify a folder of photos (default: samples/) with the default model.
-# With no REDBATCH_REDIS_URL set, redbatch starts a private redis-server and a local worker
-# and stops both when done. Prints one JSON line per photo.
+# The main job: score a folder of photos (default: samples/) with the default model into
+# results.jsonl (or $OUTPUT), then print it. With no REDBATCH_REDIS_URL set, redbatch starts a
+# private redis-server and a local worker and stops both when done.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 "$here/scripts/setup.sh"
-exec "$here/.venv/bin/redbatch" submit --wait "${@:-$here/samples}"
+out="${OUTPUT:-results.jsonl}"
+"$here/.venv/bin/redbatch" score "${@:-$here/samples}" -o "$out" --overwrite
+cat "$out"

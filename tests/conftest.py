@@ -7,6 +7,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 from redbatch.common.config import model_name_from_spec
@@ -104,3 +105,22 @@ def no_shared_memory_left_behind() -> Iterator[None]:
         time.sleep(0.2)
     left = shm_entries() - before
     assert not left, f"left in /dev/shm by the tests: {sorted(left)}"
+
+
+def marked_env(mark: str) -> dict[str, str]:
+    """The test's environment without REDBATCH_* settings, plus a mark that every process
+    started from it inherits, so leftovers can be found even among other runs' processes."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    env["REDBATCH_TEST_MARK"] = mark
+    return env
+
+
+def processes_with_mark(mark: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("REDBATCH_TEST_MARK") == mark:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found

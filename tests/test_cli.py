@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
-import psutil
 import pytest
 from click.testing import CliRunner
-from conftest import SAMPLES, WorkerFactory, shm_entries
+from conftest import SAMPLES, WorkerFactory, marked_env, processes_with_mark, shm_entries
 from redbatch.common.cli import build_settings, main, worker
 
 CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat"}
@@ -80,7 +79,8 @@ def test_submit_prints_one_json_line_per_file(redis_url: str, start_worker: Work
 def test_submit_without_redis_runs_a_private_stack_and_cleans_up(tmp_path: Path) -> None:
     before_shm = shm_entries()
     before_tmp = set(Path("/tmp").glob("redbatch-redis-*"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    mark = uuid.uuid4().hex
+    env = marked_env(mark)
     proc = subprocess.run([sys.executable, "-m", "redbatch.common.cli", "submit", "--wait",
                            str(SAMPLES)], env=env, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
@@ -88,9 +88,7 @@ def test_submit_without_redis_runs_a_private_stack_and_cleans_up(tmp_path: Path)
     by_name = {Path(line["file"]).name: line for line in lines}
     assert set(by_name) >= {"cat.jpg", "coffee.jpg"}
     assert by_name["cat.jpg"]["output"]["label"] in CAT_LABELS
-    leftovers = [p for p in psutil.process_iter(["cmdline"]) if p.pid != os.getpid()
-                 and any("redbatch.common.cli" in part for part in (p.info["cmdline"] or []))]
-    assert leftovers == [], "no redis-server or worker left running"
+    assert processes_with_mark(mark) == [], "no redis-server, worker or pool process left"
     assert shm_entries() <= before_shm
     assert set(Path("/tmp").glob("redbatch-redis-*")) <= before_tmp, "temp dir removed"
 

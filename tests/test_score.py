@@ -1,0 +1,532 @@
+"""``redbatch score``: bulk scoring of files, folders and manifests into one output file.
+
+Every test runs the command as a real subprocess (``python -m redbatch.common.cli
+score ...``) with the ``REDBATCH_*`` variables of the calling environment
+removed. The built-in ``null`` model (mean colour of a thumbnail) keeps the
+large runs cheap; only the embedded-mode test uses the real default model.
+
+NOTE [ --max-inflight 512 in the scale tests ]
+  With the worker's default --max-inflight (64, of which 8 are kept for
+  interactive jobs) and a scorer window above 56, a worker serves the bulk lane
+  at only about 56 jobs per 0.5 s: once its bulk places are full, its intake
+  thread blocks on the interactive stream for ``block_ms`` (500 ms) and does not
+  wake when bulk places free up (gpu_worker/intake.py ``_read_new``, called from
+  gpu_worker/loop.py ``_intake_loop``). The scale tests give their worker more
+  in-flight room so they measure the scorer, not that stall;
+  ``test_bulk_lane_is_not_throttled_by_the_intake`` pins the stall itself.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import redis
+from conftest import SAMPLES, WorkerFactory, shm_entries
+from PIL import Image
+from redbatch.common.protocol import GROUP, ErrorCode, Keys, Lane
+
+CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat"}
+#: Worker options for the scale tests; see the module NOTE.
+ROOMY_WORKER = ("--max-inflight", "512")
+#: Error codes the scorer itself writes (the worker's come from ErrorCode).
+SCORER_CODES = {"unreadable_file", "payload_too_large", "result_expired", "timeout"}
+MB = 1024 * 1024
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    env.update(extra)
+    return env
+
+
+def _score_cmd(*args: str | Path) -> list[str]:
+    return [sys.executable, "-m", "redbatch.common.cli", "score", *map(str, args)]
+
+
+def _run_score(*args: str | Path, timeout_s: float = 120,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(_score_cmd(*args), env=env or _env(), capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=timeout_s)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every line of a complete output file, each of which must be one JSON object."""
+    text = path.read_text(encoding="utf-8")
+    assert text == "" or text.endswith("\n"), f"{path} ends with half a line: {text[-200:]!r}"
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            raise AssertionError(f"{path}:{number} is not JSON: {line[:200]!r}") from e
+        assert isinstance(rec, dict), f"{path}:{number} is not an object"
+        records.append(rec)
+    return records
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 16), b""))
+    except FileNotFoundError:
+        return 0
+
+
+def _jpeg(colour: tuple[int, int, int], side: int = 48) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), colour).save(buf, "JPEG", quality=80)
+    return buf.getvalue()
+
+
+def _write_images(folder: Path, n: int, per_folder: int = 250, variants: int = 16) -> set[str]:
+    """``n`` small solid-colour JPEGs in sub-folders of ``folder``; returns their ids (the
+    paths the scorer reports for a folder input given as ``str(folder)``).
+
+    A few encoded images are written many times over, so 10,000 files take well under
+    a second."""
+    blobs = [_jpeg(((37 * i) % 256, (91 * i) % 256, (53 * i + 80) % 256))
+             for i in range(variants)]
+    ids = set()
+    for i in range(n):
+        sub = folder / f"part-{i // per_folder:03d}"
+        if i % per_folder == 0:
+            sub.mkdir(parents=True)
+        path = sub / f"img-{i:05d}.jpg"
+        path.write_bytes(blobs[i % variants])
+        ids.add(str(path))
+    return ids
+
+
+def _wait_for(predicate: Callable[[], bool], timeout_s: float, what: str,
+              proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"scorer exited with {proc.returncode} before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def _summary_rate(stderr: str) -> float:
+    match = re.search(r"scored (\d+) inputs in [\d.]+ s \(([\d.]+)/s\)", stderr)
+    assert match, f"no summary line in stderr: {stderr[-2000:]}"
+    return float(match.group(2))
+
+
+class Tracked:
+    """A scorer subprocess whose descendants (worker, pool, redis-server) are recorded
+    while it runs, so the test can check afterwards that every one of them is gone."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], stderr: Path) -> None:
+        self._stderr_path = stderr
+        with open(stderr, "wb") as err:
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=err)
+        self.seen: dict[int, tuple[float, str]] = {}  # pid -> (create time, command line)
+
+    def sample(self) -> None:
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return
+        for child in children:
+            try:
+                self.seen.setdefault(child.pid, (child.create_time(),
+                                                 " ".join(child.cmdline())))
+            except psutil.NoSuchProcess:
+                pass
+
+    def wait_until(self, predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            self.sample()
+            if self.proc.poll() is not None:
+                raise AssertionError(f"scorer exited with {self.proc.returncode} before {what}:"
+                                     f" {self.stderr()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+            time.sleep(0.1)
+
+    def wait(self, timeout_s: float) -> int:
+        deadline = time.monotonic() + timeout_s
+        while self.proc.poll() is None:
+            self.sample()
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise AssertionError(f"scorer still running after {timeout_s}s")
+            time.sleep(0.1)
+        return self.proc.returncode
+
+    def stderr(self) -> str:
+        return self._stderr_path.read_text(errors="replace")
+
+    def still_alive(self) -> list[str]:
+        alive = []
+        for pid, (created, cmdline) in self.seen.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(f"{pid}: {cmdline}")
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+
+def _assert_embedded_stack_cleaned_up(run: Tracked, shm_before: set[str],
+                                      private_tmp: Path) -> None:
+    """Worker, its pool, the private redis-server, /dev/shm entries and the server's temp
+    dir: all gone within a few seconds of the scorer's exit."""
+    kinds = " | ".join(cmd for _, cmd in run.seen.values())
+    assert "redis-server" in kinds, f"no private redis-server was seen: {kinds}"
+    assert "redbatch.common.cli worker" in kinds, f"no local worker was seen: {kinds}"
+    deadline = time.monotonic() + 10
+    while True:
+        alive = run.still_alive()
+        shm_left = shm_entries() - shm_before
+        tmp_left = sorted(p.name for p in private_tmp.glob("redbatch-redis-*"))
+        if not (alive or shm_left or tmp_left) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert alive == [], "processes started by the scorer are still running"
+    assert shm_left == set(), "left in /dev/shm"
+    assert tmp_left == [], "the private redis-server's temp dir was not removed"
+
+
+@pytest.fixture
+def private_tmp(tmp_path: Path) -> Path:
+    """A TMPDIR of the scorer's own: its redis-server temp dir is created (and must be
+    removed) here, whatever else runs on the machine."""
+    folder = tmp_path / "tmpdir"
+    folder.mkdir()
+    return folder
+
+
+# ---------------------------------------------------------------------------- 1: inputs
+
+
+def _mixed_inputs(root: Path) -> tuple[list[str], dict[str, str]]:
+    """The command-line inputs, and the expected outcome of every id they yield:
+    'ok' or an error code."""
+    photos = root / "photos"
+    (photos / "a" / "b").mkdir(parents=True)
+    (root / "lists").mkdir()
+    (photos / "rocket.jpg").write_bytes((SAMPLES / "rocket.jpg").read_bytes())
+    (photos / "a" / "cat.jpg").write_bytes((SAMPLES / "cat.jpg").read_bytes())
+    (photos / "a" / "b" / "coffee.jpg").write_bytes((SAMPLES / "coffee.jpg").read_bytes())
+    (photos / "notes.jpg").write_bytes(b"these are notes, not a photo\n" * 10)
+    cat = (SAMPLES / "cat.jpg").read_bytes()
+    (photos / "a" / "truncated.jpg").write_bytes(cat[: len(cat) // 3])
+    (photos / "a" / "b" / "empty.png").write_bytes(b"")
+    (photos / "README.md").write_text("not an image suffix: the folder walk skips it\n")
+    (root / "lists" / "some.txt").write_text("# a comment\nmissing.jpg\n\n../photos/rocket.jpg\n")
+    (root / "lists" / "named.jsonl").write_text(
+        json.dumps({"id": "custom-cat", "path": "../photos/a/cat.jpg"}) + "\n\n" +
+        json.dumps({"id": "custom-coffee", "path": str(SAMPLES / "coffee.jpg")}) + "\n" +
+        json.dumps({"id": 42, "path": "../photos/notes.jpg"}) + "\n")
+    expected = {
+        f"{photos}/rocket.jpg": "ok",
+        f"{photos}/a/cat.jpg": "ok",
+        f"{photos}/a/b/coffee.jpg": "ok",
+        f"{photos}/notes.jpg": "bad_image",
+        f"{photos}/a/truncated.jpg": "bad_image",
+        f"{photos}/a/b/empty.png": "bad_image",
+        "missing.jpg": "unreadable_file",
+        "../photos/rocket.jpg": "ok",
+        "custom-cat": "ok",
+        "custom-coffee": "ok",
+        "42": "bad_image",
+    }
+    inputs = [str(photos), str(root / "lists" / "some.txt"), str(root / "lists" / "named.jsonl")]
+    return inputs, expected
+
+
+def test_every_input_gets_exactly_one_record_and_bad_ones_a_stable_code(
+        redis_url: str, start_worker: WorkerFactory, tmp_path: Path) -> None:
+    start_worker(model="null")
+    inputs, expected = _mixed_inputs(tmp_path / "in")
+    out = tmp_path / "out.jsonl"
+    proc = _run_score(*inputs, "-o", out, "--redis", redis_url, "--model", "null")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = _read_jsonl(out)
+    ids = Counter(rec["id"] for rec in records)
+    assert ids == Counter(expected.keys()), "one record per input, none for README.md"
+    known_codes = {c.value for c in ErrorCode} | SCORER_CODES
+    for rec in records:
+        want = expected[rec["id"]]
+        assert set(rec) >= {"id", "path", "status", "latency_ms", "batch_size", "worker"}
+        if want == "ok":
+            assert rec["status"] == "ok", rec
+            rgb = rec["output"]["mean_rgb"]
+            assert len(rgb) == 3 and all(0.0 <= v <= 1.0 for v in rgb), rec
+            assert rec["batch_size"] >= 1 and rec["worker"] and rec["latency_ms"] > 0, rec
+        else:
+            assert rec["status"] == "error" and "output" not in rec, rec
+            assert rec["error"]["code"] == want and rec["error"]["code"] in known_codes, rec
+            assert isinstance(rec["error"]["message"], str) and rec["error"]["message"], rec
+            assert "Traceback" not in rec["error"]["message"], rec
+    by_id = {rec["id"]: rec for rec in records}
+    assert by_id["missing.jpg"]["path"] == str(tmp_path / "in" / "lists" / "missing.jpg"), \
+        "manifest paths are relative to the manifest"
+    assert by_id["missing.jpg"]["worker"] == "" and by_id["missing.jpg"]["latency_ms"] is None
+    assert by_id["custom-cat"]["output"] == by_id[f"{tmp_path / 'in' / 'photos'}/a/cat.jpg"][
+        "output"], "the same photo through the manifest scores the same"
+    # The summary counts every outcome.
+    outcomes = Counter(expected.values())
+    summary = re.search(r"outcomes: (.*)", proc.stderr)
+    assert summary, proc.stderr[-3000:]
+    assert dict(re.findall(r"(\w+): (\d+)", summary.group(1))) == \
+        {code: str(n) for code, n in outcomes.items()}
+    assert f"scored {len(expected)} inputs" in proc.stderr
+
+    # The same inputs as CSV (chosen by --format, whatever the suffix): a header, a row each.
+    out_csv = tmp_path / "out.data"
+    proc = _run_score(*inputs, "-o", out_csv, "--format", "csv", "--redis", redis_url,
+                      "--model", "null")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out_csv, newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f))
+    header, body = rows[0], rows[1:]
+    assert header[:3] == ["id", "path", "status"] and "error_code" in header and \
+        "worker" in header
+    assert Counter(row[0] for row in body) == Counter(expected.keys())
+    for row in (dict(zip(header, values, strict=True)) for values in body):
+        want = expected[row["id"]]
+        assert row["status"] == ("ok" if want == "ok" else "error"), row
+        assert row["error_code"] == ("" if want == "ok" else want), row
+
+
+# ---------------------------------------------------------------------------- 2: refusals
+
+UNREACHABLE = "redis://127.0.0.1:9/0"  # never contacted when the command refuses early
+
+
+def test_an_existing_output_is_neither_replaced_nor_extended_by_default(tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "earlier"}\n')
+    proc = _run_score(SAMPLES, "-o", out, "--redis", UNREACHABLE, "--model", "null",
+                      timeout_s=60)
+    assert proc.returncode != 0
+    assert str(out) in proc.stderr and "--resume" in proc.stderr and \
+        "--overwrite" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert out.read_text() == '{"id": "earlier"}\n', "the existing output is untouched"
+
+
+@pytest.mark.parametrize("bad_line", ['{"id": "two", "path": ', '{"id": "two"}', '["x", "y"]'],
+                         ids=["cut-short", "no-path", "not-an-object"])
+def test_a_malformed_jsonl_manifest_is_refused_naming_file_and_line(
+        tmp_path: Path, bad_line: str) -> None:
+    manifest = tmp_path / "list.jsonl"
+    manifest.write_text(json.dumps({"id": "one", "path": "a.jpg"}) + "\n" + bad_line + "\n" +
+                        json.dumps({"id": "three", "path": "b.jpg"}) + "\n")
+    proc = _run_score(manifest, "-o", tmp_path / "out.jsonl", "--redis", UNREACHABLE,
+                      "--model", "null", timeout_s=60)
+    assert proc.returncode == 1, proc.stderr
+    assert f"Error: {manifest}:2:" in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------------------- 3: resume
+
+
+def test_interrupted_run_resumes_without_duplicates_or_gaps(
+        redis_url: str, start_worker: WorkerFactory, tmp_path: Path) -> None:
+    expected = _write_images(tmp_path / "many", 3000)
+    start_worker(*ROOMY_WORKER, model="null")
+    out = tmp_path / "out.jsonl"
+    args = [tmp_path / "many", "-o", out, "--redis", redis_url, "--model", "null",
+            "--window", "64"]
+    with open(tmp_path / "first.err", "wb") as err:
+        first = subprocess.Popen(_score_cmd(*args), env=_env(), stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        _wait_for(lambda: _count_lines(out) >= 300, 60, "300 records", first)
+        first.send_signal(signal.SIGINT)
+        assert first.wait(timeout=60) == 130, (tmp_path / "first.err").read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    partial = _read_jsonl(out)  # an interrupted run leaves whole lines only
+    ids = Counter(rec["id"] for rec in partial)
+    assert 300 <= len(partial) < len(expected), "stopped part-way"
+    assert max(ids.values()) == 1 and set(ids) <= expected
+    assert all(rec["status"] == "ok" for rec in partial)
+
+    # A crash while writing the last record: half of it, no newline.
+    lines = out.read_text().splitlines(keepends=True)
+    victim = json.loads(lines[-1])["id"]
+    out.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
+
+    proc = _run_score(*args, "--resume", timeout_s=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"skipped {len(lines) - 1} already in the output" in proc.stderr
+    final = _read_jsonl(out)
+    ids = Counter(rec["id"] for rec in final)
+    assert set(ids) == expected, "none missing"
+    assert ids.most_common(1)[0][1] == 1, "none twice"
+    assert ids[victim] == 1, "the half-written record was dropped and scored again"
+    assert all(rec["status"] == "ok" for rec in final)
+
+
+# ---------------------------------------------------------------------------- 4: scale
+
+
+def test_ten_thousand_inputs_in_bounded_memory_leave_redis_empty(
+        redis_url: str, r: redis.Redis, start_worker: WorkerFactory, tmp_path: Path) -> None:
+    n = 10_000
+    expected = _write_images(tmp_path / "many", n, per_folder=500, variants=4)
+    start_worker(*ROOMY_WORKER, model="null")
+    out = tmp_path / "out.jsonl"
+    with open(tmp_path / "score.err", "wb") as err:
+        proc = subprocess.Popen(_score_cmd(tmp_path / "many", "-o", out, "--redis", redis_url,
+                                           "--model", "null", "--window", "128"),
+                                env=_env(), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=err)
+    samples: list[tuple[float, int]] = []
+    started = time.monotonic()
+    try:
+        scorer = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            try:
+                samples.append((time.monotonic(), scorer.memory_info().rss))
+            except psutil.NoSuchProcess:
+                break
+            if time.monotonic() - started > 150:
+                raise AssertionError("10,000 inputs took over 150 s")
+            time.sleep(0.2)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    elapsed = time.monotonic() - started
+    stderr = (tmp_path / "score.err").read_text(errors="replace")
+    assert proc.returncode == 0, stderr[-3000:]
+
+    records = _read_jsonl(out)
+    assert len(records) == n and {rec["id"] for rec in records} == expected
+    assert Counter(rec["status"] for rec in records) == {"ok": n}
+
+    assert len(samples) >= 10, f"too few RSS samples ({len(samples)}) to judge growth"
+    t0, t1 = samples[0][0], samples[-1][0]
+    at_20 = min(samples, key=lambda s: abs(s[0] - (t0 + 0.2 * (t1 - t0))))[1]
+    late = max(rss for t, rss in samples if t >= t0 + 0.8 * (t1 - t0))
+    peak = max(rss for _, rss in samples)
+
+    keys = Keys("null")
+    bulk = keys.stream(Lane.BULK)
+    memory = r.info("memory")
+    print(f"\n10k run: {elapsed:.1f} s, {_summary_rate(stderr):.0f}/s; scorer RSS peak "
+          f"{peak / MB:.1f} MB, at 20% {at_20 / MB:.1f} MB, last 20% max {late / MB:.1f} MB "
+          f"({len(samples)} samples); Redis used_memory {memory['used_memory_human']} "
+          f"(peak {memory['used_memory_peak_human']}), dbsize {r.dbsize()}")
+    assert peak < 400 * MB, f"scorer peak RSS {peak / MB:.0f} MB"
+    assert late - at_20 < 50 * MB, \
+        f"scorer RSS grew from {at_20 / MB:.0f} MB to {late / MB:.0f} MB during the run"
+
+    assert r.xlen(bulk) == 0
+    assert r.xpending(bulk, GROUP)["pending"] == 0
+    leftovers = [k.decode() for k in r.scan_iter(count=1000)
+                 if re.search(rb":(result|done|reply):", k)]
+    assert leftovers == [], "results, done tokens and reply lists are deleted"
+    assert r.dbsize() <= 10, sorted(k.decode() for k in r.scan_iter(count=1000))[:20]
+
+
+# ---------------------------------------------------------------------------- 5, 6: embedded
+
+
+def test_without_redis_a_private_stack_scores_and_is_stopped(tmp_path: Path,
+                                                             private_tmp: Path) -> None:
+    shm_before = shm_entries()
+    out = tmp_path / "out.jsonl"
+    run = Tracked(_score_cmd(SAMPLES, "-o", out), _env(TMPDIR=str(private_tmp)),
+                  tmp_path / "score.err")
+    try:
+        assert run.wait(timeout_s=300) == 0, run.stderr()[-3000:]
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    records = {Path(rec["id"]).name: rec for rec in _read_jsonl(out)}
+    assert set(records) == {p.name for p in SAMPLES.iterdir() if p.suffix == ".jpg"}
+    assert all(rec["status"] == "ok" for rec in records.values()), records
+    assert records["cat.jpg"]["output"]["label"] in CAT_LABELS, records["cat.jpg"]
+    _assert_embedded_stack_cleaned_up(run, shm_before, private_tmp)
+
+
+def test_without_redis_an_interrupted_run_stops_its_private_stack(tmp_path: Path,
+                                                                  private_tmp: Path) -> None:
+    expected = _write_images(tmp_path / "many", 2000)
+    shm_before = shm_entries()
+    out = tmp_path / "out.jsonl"
+    run = Tracked(_score_cmd(tmp_path / "many", "-o", out, "--model", "null"),
+                  _env(TMPDIR=str(private_tmp)), tmp_path / "score.err")
+    try:
+        run.wait_until(lambda: _count_lines(out) >= 20, 120, "20 records")
+        assert list(private_tmp.glob("redbatch-redis-*")), "the server's temp dir is here"
+        run.proc.send_signal(signal.SIGINT)
+        assert run.wait(timeout_s=60) == 130, run.stderr()[-3000:]
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+    records = _read_jsonl(out)
+    assert 20 <= len(records) < len(expected)
+    assert {rec["id"] for rec in records} <= expected
+    _assert_embedded_stack_cleaned_up(run, shm_before, private_tmp)
+
+
+# ---------------------------------------------------------------------------- 7: two workers
+
+
+def test_two_workers_share_one_run(redis_url: str, start_worker: WorkerFactory,
+                                   tmp_path: Path) -> None:
+    expected = _write_images(tmp_path / "many", 2000)
+    # Default in-flight room: neither worker can take the whole window for itself.
+    start_worker(model="null")
+    start_worker(model="null")
+    out = tmp_path / "out.jsonl"
+    proc = _run_score(tmp_path / "many", "-o", out, "--redis", redis_url, "--model", "null",
+                      timeout_s=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = _read_jsonl(out)
+    assert {rec["id"] for rec in records} == expected and len(records) == len(expected)
+    shares = Counter(rec["worker"] for rec in records)
+    print(f"\nrecords per worker: {dict(shares)}")
+    assert len(shares) == 2 and "" not in shares, shares
+    assert min(shares.values()) > 0.1 * len(records), shares
+
+
+# ---------------------------------------------------------------------------- known bug
+
+
+@pytest.mark.xfail(strict=True, reason="worker intake blocks 500 ms on the interactive stream "
+                   "once its bulk places are full (see the module NOTE)")
+def test_bulk_lane_is_not_throttled_by_the_intake(redis_url: str, start_worker: WorkerFactory,
+                                                  tmp_path: Path) -> None:
+    """With the worker's defaults and the default window, the bulk lane scores at least
+    half as fast as the interactive lane on an idle worker."""
+    _write_images(tmp_path / "many", 800)
+    start_worker(model="null")
+    rates = {}
+    for lane in ("interactive", "bulk"):
+        proc = _run_score(tmp_path / "many", "-o", tmp_path / f"{lane}.jsonl", "--redis",
+                          redis_url, "--model", "null", "--lane", lane, timeout_s=60)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rates[lane] = _summary_rate(proc.stderr)
+    print(f"\nscoring rate by lane: {rates}")
+    assert rates["bulk"] >= 0.5 * rates["interactive"], rates
