@@ -18,6 +18,7 @@ from types import FrameType
 from typing import Any, TypeVar
 
 import click
+import redis
 from redbatch import __version__
 from redbatch.common.config import (
     DEFAULT_BULK_BATCH_MS,
@@ -282,11 +283,15 @@ def score(inputs: tuple[str, ...], output: str, fmt: str | None, resume: bool,
         complete = _score(inputs, output, fmt, resume, settings, options)
     except ManifestError as e:
         raise click.ClickException(str(e)) from e
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        raise click.ClickException(f"lost the connection to Redis: {e}; the output holds "
+                                   "what was finished, rerun with --resume") from e
     sys.exit(0 if complete else 130)
 
 
 def _score(inputs: tuple[str, ...], output: str, fmt: str, resume: bool,
            settings: Any, options: dict[str, Any]) -> bool:
+    from redbatch.common.local_stack import count_consumers
     from redbatch.producer.bulk import BulkScorer
     from redbatch.producer.client import Client
     from redbatch.producer.inputs import count_items, iter_items
@@ -297,6 +302,9 @@ def _score(inputs: tuple[str, ...], output: str, fmt: str, resume: bool,
     name = options["model_name"] or model_name_from_spec(options["model_spec"])
     with _signals_raise(), _redis_for(options) as url, \
             Client(url, model=name, prefix=options["prefix"]) as client:
+        if count_consumers(client.redis, client.keys()) == 0:
+            logger.warning("no worker is serving model %r yet; jobs wait in Redis until one "
+                           "starts", name)
         writer = OutputWriter(output, fmt, append=resume)
         scorer = BulkScorer(client, writer, settings, done)
         scorer.progress = progress = Progress(scorer.stats)

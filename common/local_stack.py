@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from types import TracebackType
 
 import redis
-from redbatch.common.protocol import GROUP, Keys
+from redbatch.common.protocol import GROUP, Keys, Lane
 from redbatch.common.redis_server import RedisServer
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def wait_worker_ready(redis_url: str, keys: Keys, proc: subprocess.Popen[bytes],
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"worker exited with code {proc.returncode} before ready")
-            if _consumers(r, keys.streams()[0]) > 0:
+            if count_consumers(r, keys) > 0:
                 return
             time.sleep(0.1)
     finally:
@@ -67,9 +67,10 @@ def stop_worker(proc: subprocess.Popen[bytes], timeout_s: float = WORKER_STOP_TI
     return proc.returncode
 
 
-def _consumers(r: redis.Redis, stream: str) -> int:
+def count_consumers(r: redis.Redis, keys: Keys) -> int:
+    """Consumers that have joined the model's group (on its interactive stream)."""
     try:
-        groups = r.xinfo_groups(stream)
+        groups = r.xinfo_groups(keys.stream(Lane.INTERACTIVE))
     except redis.ResponseError:
         return 0
     return sum(int(g["consumers"]) for g in groups if g["name"] in (GROUP, GROUP.encode()))
