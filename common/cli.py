@@ -279,14 +279,27 @@ def score(inputs: tuple[str, ...], output: str, fmt: str | None, resume: bool,
                                    "--overwrite to replace it")
     settings = ScoreSettings(window=window, lane=Lane(lane), timeout_s=timeout_s,
                              grace_s=grace_s)
+    existed = Path(output).exists()
     try:
         complete = _score(inputs, output, fmt, resume, settings, options)
     except ManifestError as e:
+        _remove_if_empty(output, fmt, existed)
         raise click.ClickException(str(e)) from e
     except (redis.ConnectionError, redis.TimeoutError) as e:
         raise click.ClickException(f"lost the connection to Redis: {e}; the output holds "
                                    "what was finished, rerun with --resume") from e
     sys.exit(0 if complete else 130)
+
+
+def _remove_if_empty(output: str, fmt: str, existed: bool) -> None:
+    """A run that failed before writing any record leaves no output file behind."""
+    path = Path(output)
+    if existed or not path.exists():
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = sum(1 for _ in f)
+    if lines == 0 or (fmt == "csv" and lines == 1):  # nothing, or the CSV header alone
+        path.unlink()
 
 
 def _score(inputs: tuple[str, ...], output: str, fmt: str, resume: bool,

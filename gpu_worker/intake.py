@@ -30,6 +30,9 @@ from redbatch.common.redis_io import StreamEntry, normalise_xread
 logger = logging.getLogger(__name__)
 
 CLOCK_REFRESH_S = 30.0
+#: While bulk jobs fill their in-flight places, how long a read waits on the interactive
+#: stream alone before looking again whether bulk places came free, ms.
+BULK_RECHECK_MS = 10
 
 
 @dataclass(slots=True, eq=False)
@@ -156,11 +159,12 @@ class Intake:
             got += self._xreadgroup({bulk: ">"}, bulk_count, None)
         if got or block_ms <= 0:
             return got
-        # Idle: block on both lanes, or on interactive alone when bulk has no room.
+        # Idle: block on both lanes; or, when bulk has no room, on interactive alone and
+        # only briefly, since bulk places come free without anything arriving in Redis.
         if bulk_count > 0:
             return self._xreadgroup({interactive: ">", bulk: ">"}, min(count, bulk_count),
                                     block_ms)
-        return self._xreadgroup({interactive: ">"}, count, block_ms)
+        return self._xreadgroup({interactive: ">"}, count, min(block_ms, BULK_RECHECK_MS))
 
     def _decode(self, stream: str, entry: StreamEntry, now_ms: float) -> Job | BadEntry:
         entry_id, fields = entry

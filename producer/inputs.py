@@ -57,28 +57,41 @@ def _resolve(manifest: Path, entry: str) -> str:
     return entry if os.path.isabs(entry) else str(manifest.parent / entry)
 
 
+def _lines(manifest: Path) -> Iterator[tuple[int, str]]:
+    """Numbered lines of a manifest; an unreadable one is a ManifestError, not a traceback."""
+    try:
+        with open(manifest, encoding="utf-8") as f:
+            yield from enumerate(f, 1)
+    except OSError as e:
+        raise ManifestError(f"{manifest}: cannot read manifest: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"{manifest}: manifest is not UTF-8 text ({e})") from e
+
+
 def _txt_manifest(manifest: Path) -> Iterator[Item]:
-    with open(manifest, encoding="utf-8") as f:
-        for line in f:
-            entry = line.strip()
-            if entry and not entry.startswith("#"):
-                yield Item(entry, _resolve(manifest, entry))
+    for _, line in _lines(manifest):
+        entry = line.strip()
+        if entry and not entry.startswith("#"):
+            yield Item(entry, _resolve(manifest, entry))
 
 
 def _jsonl_manifest(manifest: Path) -> Iterator[Item]:
-    with open(manifest, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                item = Item(str(row["id"]), _resolve(manifest, str(row["path"])))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ManifestError(f"{manifest}:{number}: expected an object with 'id' and "
-                                    f"'path' ({e})") from e
-            yield item
+    for number, line in _lines(manifest):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            item = Item(str(row["id"]), _resolve(manifest, str(row["path"])))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ManifestError(f"{manifest}:{number}: expected an object with 'id' and "
+                                f"'path' ({e})") from e
+        yield item
 
 
-def count_items(inputs: Iterable[str]) -> int:
-    """How many items ``iter_items`` will yield (a second pass, for the progress bar's ETA)."""
-    return sum(1 for _ in iter_items(inputs))
+def count_items(inputs: Iterable[str]) -> int | None:
+    """How many items ``iter_items`` will yield (a second pass, for the progress bar's ETA);
+    None when a manifest is unreadable (the scoring pass reports that)."""
+    try:
+        return sum(1 for _ in iter_items(inputs))
+    except ManifestError:
+        return None

@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import SAMPLES, WorkerFactory, marked_env, processes_with_mark, shm_entries
+from conftest import (
+    SAMPLES,
+    WorkerFactory,
+    marked_env,
+    processes_with_mark,
+    redis_server_pids,
+    shm_entries,
+)
 from redbatch.common.cli import build_settings, main, worker
 
 CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat"}
@@ -81,6 +88,7 @@ def test_submit_without_redis_runs_a_private_stack_and_cleans_up(tmp_path: Path)
     before_tmp = set(Path("/tmp").glob("redbatch-redis-*"))
     mark = uuid.uuid4().hex
     env = marked_env(mark)
+    servers_before = redis_server_pids()
     proc = subprocess.run([sys.executable, "-m", "redbatch.common.cli", "submit", "--wait",
                            str(SAMPLES)], env=env, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
@@ -88,7 +96,9 @@ def test_submit_without_redis_runs_a_private_stack_and_cleans_up(tmp_path: Path)
     by_name = {Path(line["file"]).name: line for line in lines}
     assert set(by_name) >= {"cat.jpg", "coffee.jpg"}
     assert by_name["cat.jpg"]["output"]["label"] in CAT_LABELS
-    assert processes_with_mark(mark) == [], "no redis-server, worker or pool process left"
+    assert processes_with_mark(mark) == [], "no worker or pool process left"
+    # redis-server rewrites its environment for its process title, so it is found by name.
+    assert redis_server_pids() <= servers_before, "the private redis-server was stopped"
     assert shm_entries() <= before_shm
     assert set(Path("/tmp").glob("redbatch-redis-*")) <= before_tmp, "temp dir removed"
 

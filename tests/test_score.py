@@ -4,16 +4,6 @@ Every test runs the command as a real subprocess (``python -m redbatch.common.cl
 score ...``) with the ``REDBATCH_*`` variables of the calling environment
 removed. The built-in ``null`` model (mean colour of a thumbnail) keeps the
 large runs cheap; only the embedded-mode test uses the real default model.
-
-NOTE [ --max-inflight 512 in the scale tests ]
-  With the worker's default --max-inflight (64, of which 8 are kept for
-  interactive jobs) and a scorer window above 56, a worker serves the bulk lane
-  at only about 56 jobs per 0.5 s: once its bulk places are full, its intake
-  thread blocks on the interactive stream for ``block_ms`` (500 ms) and does not
-  wake when bulk places free up (gpu_worker/intake.py ``_read_new``, called from
-  gpu_worker/loop.py ``_intake_loop``). The scale tests give their worker more
-  in-flight room so they measure the scorer, not that stall;
-  ``test_bulk_lane_is_not_throttled_by_the_intake`` pins the stall itself.
 """
 
 from __future__ import annotations
@@ -27,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -35,13 +26,11 @@ from typing import Any
 import psutil
 import pytest
 import redis
-from conftest import SAMPLES, WorkerFactory, shm_entries
+from conftest import SAMPLES, WorkerFactory, marked_env, processes_with_mark
 from PIL import Image
 from redbatch.common.protocol import GROUP, ErrorCode, Keys, Lane
 
 CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat"}
-#: Worker options for the scale tests; see the module NOTE.
-ROOMY_WORKER = ("--max-inflight", "512")
 #: Error codes the scorer itself writes (the worker's come from ErrorCode).
 SCORER_CODES = {"unreadable_file", "payload_too_large", "result_expired", "timeout"}
 MB = 1024 * 1024
@@ -131,6 +120,16 @@ def _summary_rate(stderr: str) -> float:
     return float(match.group(2))
 
 
+def _shm_mapped_by(pid: int) -> set[str]:
+    """Names of the /dev/shm entries (shared memory, semaphores) a process has mapped."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return set()
+    return {line.split("/dev/shm/", 1)[1] for line in maps.splitlines()
+            if "/dev/shm/" in line and not line.endswith("(deleted)")}
+
+
 class Tracked:
     """A scorer subprocess whose descendants (worker, pool, redis-server) are recorded
     while it runs, so the test can check afterwards that every one of them is gone."""
@@ -141,6 +140,8 @@ class Tracked:
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL, stderr=err)
         self.seen: dict[int, tuple[float, str]] = {}  # pid -> (create time, command line)
+        #: Names in /dev/shm that those processes had mapped (their shared memory).
+        self.shm: set[str] = set()
 
     def sample(self) -> None:
         try:
@@ -152,7 +153,8 @@ class Tracked:
                 self.seen.setdefault(child.pid, (child.create_time(),
                                                  " ".join(child.cmdline())))
             except psutil.NoSuchProcess:
-                pass
+                continue
+            self.shm |= _shm_mapped_by(child.pid)
 
     def wait_until(self, predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
@@ -190,17 +192,22 @@ class Tracked:
         return alive
 
 
-def _assert_embedded_stack_cleaned_up(run: Tracked, shm_before: set[str],
-                                      private_tmp: Path) -> None:
-    """Worker, its pool, the private redis-server, /dev/shm entries and the server's temp
-    dir: all gone within a few seconds of the scorer's exit."""
+def _assert_embedded_stack_cleaned_up(run: Tracked, mark: str, private_tmp: Path) -> None:
+    """Worker, its pool, the private redis-server, their /dev/shm entries and the server's
+    temp dir: all gone within a few seconds of the scorer's exit.
+
+    Only what this run started is looked at (its descendants, its environment mark, the
+    shared memory they mapped, its own TMPDIR), so other test runs on the machine cannot
+    make this pass or fail."""
     kinds = " | ".join(cmd for _, cmd in run.seen.values())
     assert "redis-server" in kinds, f"no private redis-server was seen: {kinds}"
     assert "redbatch.common.cli worker" in kinds, f"no local worker was seen: {kinds}"
+    assert any(name.startswith("psm_") for name in run.shm), \
+        f"the worker's shared memory was not seen: {run.shm}"
     deadline = time.monotonic() + 10
     while True:
-        alive = run.still_alive()
-        shm_left = shm_entries() - shm_before
+        alive = run.still_alive() + [f"{p.pid}: marked" for p in processes_with_mark(mark)]
+        shm_left = {p.name for p in Path("/dev/shm").iterdir()} & run.shm
         tmp_left = sorted(p.name for p in private_tmp.glob("redbatch-redis-*"))
         if not (alive or shm_left or tmp_left) or time.monotonic() > deadline:
             break
@@ -333,14 +340,34 @@ def test_an_existing_output_is_neither_replaced_nor_extended_by_default(tmp_path
 @pytest.mark.parametrize("bad_line", ['{"id": "two", "path": ', '{"id": "two"}', '["x", "y"]'],
                          ids=["cut-short", "no-path", "not-an-object"])
 def test_a_malformed_jsonl_manifest_is_refused_naming_file_and_line(
-        tmp_path: Path, bad_line: str) -> None:
+        redis_url: str, tmp_path: Path, bad_line: str) -> None:
     manifest = tmp_path / "list.jsonl"
     manifest.write_text(json.dumps({"id": "one", "path": "a.jpg"}) + "\n" + bad_line + "\n" +
                         json.dumps({"id": "three", "path": "b.jpg"}) + "\n")
-    proc = _run_score(manifest, "-o", tmp_path / "out.jsonl", "--redis", UNREACHABLE,
+    proc = _run_score(manifest, "-o", tmp_path / "out.jsonl", "--redis", redis_url,
                       "--model", "null", timeout_s=60)
     assert proc.returncode == 1, proc.stderr
     assert f"Error: {manifest}:2:" in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------------------- lanes
+
+
+def test_bulk_lane_is_not_throttled_by_the_intake(redis_url: str, start_worker: WorkerFactory,
+                                                  tmp_path: Path) -> None:
+    """With the worker's defaults and the default window, the bulk lane scores at least
+    half as fast as the interactive lane on an idle worker (its intake must not sleep on
+    the interactive stream while bulk places come free)."""
+    _write_images(tmp_path / "many", 500)
+    start_worker(model="null")
+    rates = {}
+    for lane in ("interactive", "bulk"):
+        proc = _run_score(tmp_path / "many", "-o", tmp_path / f"{lane}.jsonl", "--redis",
+                          redis_url, "--model", "null", "--lane", lane, timeout_s=60)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rates[lane] = _summary_rate(proc.stderr)
+    print(f"\nscoring rate by lane: {rates}")
+    assert rates["bulk"] >= 0.5 * rates["interactive"], rates
 
 
 # ---------------------------------------------------------------------------- 3: resume
@@ -349,9 +376,9 @@ def test_a_malformed_jsonl_manifest_is_refused_naming_file_and_line(
 def test_interrupted_run_resumes_without_duplicates_or_gaps(
         redis_url: str, start_worker: WorkerFactory, tmp_path: Path) -> None:
     expected = _write_images(tmp_path / "many", 3000)
-    start_worker(*ROOMY_WORKER, model="null")
+    start_worker(model="null")
     out = tmp_path / "out.jsonl"
-    args = [tmp_path / "many", "-o", out, "--redis", redis_url, "--model", "null",
+    args: list[str | Path] = [tmp_path / "many", "-o", out, "--redis", redis_url, "--model", "null",
             "--window", "64"]
     with open(tmp_path / "first.err", "wb") as err:
         first = subprocess.Popen(_score_cmd(*args), env=_env(), stdin=subprocess.DEVNULL,
@@ -392,7 +419,7 @@ def test_ten_thousand_inputs_in_bounded_memory_leave_redis_empty(
         redis_url: str, r: redis.Redis, start_worker: WorkerFactory, tmp_path: Path) -> None:
     n = 10_000
     expected = _write_images(tmp_path / "many", n, per_folder=500, variants=4)
-    start_worker(*ROOMY_WORKER, model="null")
+    start_worker(model="null")
     out = tmp_path / "out.jsonl"
     with open(tmp_path / "score.err", "wb") as err:
         proc = subprocess.Popen(_score_cmd(tmp_path / "many", "-o", out, "--redis", redis_url,
@@ -453,9 +480,9 @@ def test_ten_thousand_inputs_in_bounded_memory_leave_redis_empty(
 
 def test_without_redis_a_private_stack_scores_and_is_stopped(tmp_path: Path,
                                                              private_tmp: Path) -> None:
-    shm_before = shm_entries()
+    mark = uuid.uuid4().hex
     out = tmp_path / "out.jsonl"
-    run = Tracked(_score_cmd(SAMPLES, "-o", out), _env(TMPDIR=str(private_tmp)),
+    run = Tracked(_score_cmd(SAMPLES, "-o", out), {**marked_env(mark), "TMPDIR": str(private_tmp)},
                   tmp_path / "score.err")
     try:
         assert run.wait(timeout_s=300) == 0, run.stderr()[-3000:]
@@ -466,16 +493,16 @@ def test_without_redis_a_private_stack_scores_and_is_stopped(tmp_path: Path,
     assert set(records) == {p.name for p in SAMPLES.iterdir() if p.suffix == ".jpg"}
     assert all(rec["status"] == "ok" for rec in records.values()), records
     assert records["cat.jpg"]["output"]["label"] in CAT_LABELS, records["cat.jpg"]
-    _assert_embedded_stack_cleaned_up(run, shm_before, private_tmp)
+    _assert_embedded_stack_cleaned_up(run, mark, private_tmp)
 
 
 def test_without_redis_an_interrupted_run_stops_its_private_stack(tmp_path: Path,
                                                                   private_tmp: Path) -> None:
     expected = _write_images(tmp_path / "many", 2000)
-    shm_before = shm_entries()
+    mark = uuid.uuid4().hex
     out = tmp_path / "out.jsonl"
     run = Tracked(_score_cmd(tmp_path / "many", "-o", out, "--model", "null"),
-                  _env(TMPDIR=str(private_tmp)), tmp_path / "score.err")
+                  {**marked_env(mark), "TMPDIR": str(private_tmp)}, tmp_path / "score.err")
     try:
         run.wait_until(lambda: _count_lines(out) >= 20, 120, "20 records")
         assert list(private_tmp.glob("redbatch-redis-*")), "the server's temp dir is here"
@@ -487,7 +514,7 @@ def test_without_redis_an_interrupted_run_stops_its_private_stack(tmp_path: Path
     records = _read_jsonl(out)
     assert 20 <= len(records) < len(expected)
     assert {rec["id"] for rec in records} <= expected
-    _assert_embedded_stack_cleaned_up(run, shm_before, private_tmp)
+    _assert_embedded_stack_cleaned_up(run, mark, private_tmp)
 
 
 # ---------------------------------------------------------------------------- 7: two workers
@@ -495,13 +522,18 @@ def test_without_redis_an_interrupted_run_stops_its_private_stack(tmp_path: Path
 
 def test_two_workers_share_one_run(redis_url: str, start_worker: WorkerFactory,
                                    tmp_path: Path) -> None:
-    expected = _write_images(tmp_path / "many", 2000)
-    # Default in-flight room: neither worker can take the whole window for itself.
-    start_worker(model="null")
-    start_worker(model="null")
+    # The real model, so that neither worker alone keeps up with the scorer (a free worker
+    # rightly takes whatever it can; with a near-free model one worker would take it all).
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for i in range(160):
+        name = ("cat.jpg", "coffee.jpg")[i % 2]
+        (photos / f"{i:03d}-{name}").write_bytes((SAMPLES / name).read_bytes())
+    expected = {str(p) for p in photos.iterdir()}
+    start_worker()
+    start_worker()
     out = tmp_path / "out.jsonl"
-    proc = _run_score(tmp_path / "many", "-o", out, "--redis", redis_url, "--model", "null",
-                      timeout_s=150)
+    proc = _run_score(photos, "-o", out, "--redis", redis_url, timeout_s=150)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = _read_jsonl(out)
     assert {rec["id"] for rec in records} == expected and len(records) == len(expected)
@@ -509,24 +541,3 @@ def test_two_workers_share_one_run(redis_url: str, start_worker: WorkerFactory,
     print(f"\nrecords per worker: {dict(shares)}")
     assert len(shares) == 2 and "" not in shares, shares
     assert min(shares.values()) > 0.1 * len(records), shares
-
-
-# ---------------------------------------------------------------------------- known bug
-
-
-@pytest.mark.xfail(strict=True, reason="worker intake blocks 500 ms on the interactive stream "
-                   "once its bulk places are full (see the module NOTE)")
-def test_bulk_lane_is_not_throttled_by_the_intake(redis_url: str, start_worker: WorkerFactory,
-                                                  tmp_path: Path) -> None:
-    """With the worker's defaults and the default window, the bulk lane scores at least
-    half as fast as the interactive lane on an idle worker."""
-    _write_images(tmp_path / "many", 800)
-    start_worker(model="null")
-    rates = {}
-    for lane in ("interactive", "bulk"):
-        proc = _run_score(tmp_path / "many", "-o", tmp_path / f"{lane}.jsonl", "--redis",
-                          redis_url, "--model", "null", "--lane", lane, timeout_s=60)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rates[lane] = _summary_rate(proc.stderr)
-    print(f"\nscoring rate by lane: {rates}")
-    assert rates["bulk"] >= 0.5 * rates["interactive"], rates
