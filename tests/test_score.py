@@ -526,7 +526,7 @@ def test_two_workers_share_one_run(redis_url: str, start_worker: WorkerFactory,
     # rightly takes whatever it can; with a near-free model one worker would take it all).
     photos = tmp_path / "photos"
     photos.mkdir()
-    for i in range(160):
+    for i in range(400):
         name = ("cat.jpg", "coffee.jpg")[i % 2]
         (photos / f"{i:03d}-{name}").write_bytes((SAMPLES / name).read_bytes())
     expected = {str(p) for p in photos.iterdir()}
