@@ -244,7 +244,7 @@ def submit(files: tuple[str, ...], wait: bool, timeout_s: float, lane: str,
 
 @main.command()
 @_common_options
-@click.argument("inputs", nargs=-1, required=True, type=click.Path())
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="Output file: one record per input.")
 @_opt("--format", "fmt", env="FORMAT", type=click.Choice(["jsonl", "csv"]), default=None,

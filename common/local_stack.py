@@ -56,13 +56,17 @@ def wait_worker_ready(redis_url: str, keys: Keys, proc: subprocess.Popen[bytes],
 
 
 def stop_worker(proc: subprocess.Popen[bytes], timeout_s: float = WORKER_STOP_TIMEOUT_S) -> int:
-    """SIGTERM, wait, then SIGKILL the whole group; returns the exit code."""
+    """SIGTERM, wait, then SIGKILL; returns the exit code.
+
+    Only the worker is killed, not its process group: its pool processes see it gone
+    and exit, and its resource tracker then unlinks its shared memory.
+    """
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()
             proc.wait()
     return proc.returncode
 

@@ -70,8 +70,10 @@ class RedisServer:
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         log = open(self._dir / "redis.log", "ab")  # noqa: SIM115 - owned by the child
+        # Its own session: a terminal's Ctrl-C must not kill it while the command that owns
+        # it is still collecting results; the owner stops it last.
         self._proc = subprocess.Popen(self._args(), stdout=log, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL)
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         self._wait_ready(timeout_s)
         return self

@@ -98,7 +98,10 @@ class BulkScorer:
         self.writer.flush()
         if self.progress:
             self.progress.finish()
-        self.client.redis.delete(self._reply)
+        try:
+            self.client.redis.delete(self._reply)
+        except (redis.ConnectionError, redis.TimeoutError):
+            pass  # the list expires on its own
         return self._exhausted and not self._inflight
 
     def _unseen(self, items: Iterator[Item]) -> Iterator[Item]:

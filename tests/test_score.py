@@ -137,8 +137,10 @@ class Tracked:
     def __init__(self, cmd: list[str], env: dict[str, str], stderr: Path) -> None:
         self._stderr_path = stderr
         with open(stderr, "wb") as err:
+            # A process group of its own, so a test can signal it as a terminal does.
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.DEVNULL, stderr=err)
+                                         stdout=subprocess.DEVNULL, stderr=err,
+                                         start_new_session=True)
         self.seen: dict[int, tuple[float, str]] = {}  # pid -> (create time, command line)
         #: Names in /dev/shm that those processes had mapped (their shared memory).
         self.shm: set[str] = set()
@@ -506,8 +508,14 @@ def test_without_redis_an_interrupted_run_stops_its_private_stack(tmp_path: Path
     try:
         run.wait_until(lambda: _count_lines(out) >= 20, 120, "20 records")
         assert list(private_tmp.glob("redbatch-redis-*")), "the server's temp dir is here"
-        run.proc.send_signal(signal.SIGINT)
+        # Ctrl-C in a terminal signals the whole foreground process group. The private
+        # redis-server and worker must outlive it so the jobs in flight are collected
+        # (quickly), and then be stopped in order.
+        os.killpg(run.proc.pid, signal.SIGINT)
+        signalled = time.monotonic()
         assert run.wait(timeout_s=60) == 130, run.stderr()[-3000:]
+        assert time.monotonic() - signalled < 8, "in-flight jobs collected, stack stopped"
+        assert "Traceback" not in run.stderr() and "Connection refused" not in run.stderr()
     finally:
         if run.proc.poll() is None:
             run.proc.kill()
