@@ -109,3 +109,14 @@ def test_worker_with_an_unknown_model_exits_with_a_message(redis_url: str) -> No
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
     assert "unknown model 'no_such_model'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_without_redis_server_installed_the_command_says_how_to_get_one(tmp_path: Path) -> None:
+    env = {**marked_env(uuid.uuid4().hex), "PATH": str(tmp_path)}  # no redis-server on it
+    proc = subprocess.run([sys.executable, "-m", "redbatch.common.cli", "score", str(SAMPLES),
+                           "-o", str(tmp_path / "out.jsonl")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "redis-server was not found" in proc.stderr and "apt-get install" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out.jsonl").exists()
