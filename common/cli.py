@@ -129,6 +129,10 @@ def main() -> None:
       default=DEFAULT_MAX_PAYLOAD_BYTES, help="Largest accepted payload.")
 @_opt("--max-image-pixels", env="MAX_IMAGE_PIXELS", type=click.IntRange(min=1),
       default=DEFAULT_MAX_IMAGE_PIXELS, help="Largest accepted image, in pixels.")
+@_opt("--reclaim-idle-ms", env="RECLAIM_IDLE_MS", type=click.IntRange(min=100), default=60_000,
+      help="Take over jobs pending this long on another (dead or stuck) worker, ms.")
+@_opt("--max-deliveries", env="MAX_DELIVERIES", type=click.IntRange(min=1), default=3,
+      help="Deliveries after which a job is dead-lettered instead of run again.")
 @_opt("--burst", env="BURST", is_flag=True, default=False,
       help="Exit once the streams are empty and every job is answered.")
 def worker(**options: Any) -> None:
@@ -146,6 +150,8 @@ def worker(**options: Any) -> None:
             w.run()
         except ValueError as e:  # a bad --model or --device: say so, without a traceback
             raise click.ClickException(str(e)) from e
+    if w.device_failed:
+        sys.exit(3)  # for the supervisor: restart me
 
 
 def build_settings(options: dict[str, Any]) -> Settings:
@@ -169,6 +175,8 @@ def build_settings(options: dict[str, Any]) -> Settings:
         consumer=options["consumer"] or default_consumer_name(),
         result_ttl_s=options["result_ttl_s"],
         burst=options["burst"],
+        reclaim_idle_ms=options["reclaim_idle_ms"],
+        max_deliveries=options["max_deliveries"],
     )
 
 
@@ -343,6 +351,104 @@ def _signals_raise() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# ---------------------------------------------------------------------------- limit
+
+
+@main.command()
+@_common_options
+@click.option("--lane", type=click.Choice([lane.value for lane in Lane]), default=None,
+              help="The lane to bound or clear (required with --max-jobs or --clear).")
+@click.option("--max-jobs", type=click.IntRange(min=0), default=None,
+              help="Most jobs the lane's queue may hold (queued or in progress); a submit "
+                   "past it fails with queue_full. 0 refuses every job.")
+@click.option("--clear", is_flag=True, default=False, help="Remove the lane's bound.")
+def limit(lane: str | None, max_jobs: int | None, clear: bool, **options: Any) -> None:
+    """Bound a lane's queue (admission control), clear the bound, or show both lanes.
+
+    Prints one JSON line per lane: its bound (null: unbounded) and the jobs its queue holds.
+    Without --redis, the worker's default Redis URL is used.
+    """
+    import json
+
+    from redbatch.producer.client import Client
+
+    setup_logging(options["log_level"])
+    if max_jobs is not None and clear:
+        raise click.UsageError("give either --max-jobs or --clear, not both")
+    if (max_jobs is not None or clear) and lane is None:
+        raise click.UsageError("--max-jobs and --clear need --lane")
+    name = options["model_name"] or model_name_from_spec(options["model_spec"])
+    try:
+        with Client(options["redis_url"] or DEFAULT_REDIS_URL, model=name,
+                    prefix=options["prefix"]) as client:
+            if lane is not None and (max_jobs is not None or clear):
+                client.set_queue_limit(lane, max_jobs)
+            for state in (client.queue_state(each) for each in Lane):
+                click.echo(json.dumps({"model": name, "lane": state.lane.value,
+                                       "max_jobs": state.bound, "queued": state.queued}))
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        raise click.ClickException(f"cannot reach Redis: {e}") from e
+
+
+# ---------------------------------------------------------------------------- dlq
+
+
+@main.group()
+def dlq() -> None:
+    """Look at and replay dead letters (jobs that will not run again)."""
+
+
+def _dlq_target(options: dict[str, Any]) -> tuple[redis.Redis, Any]:
+    from redbatch.common.protocol import Keys
+
+    if not options["redis_url"]:
+        raise click.ClickException("--redis (or REDBATCH_REDIS_URL) is required")
+    name = options["model_name"] or model_name_from_spec(options["model_spec"])
+    return redis.Redis.from_url(options["redis_url"]), Keys(name, options["prefix"])
+
+
+@dlq.command("list")
+@_common_options
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many.")
+def dlq_list(limit: int | None, **options: Any) -> None:
+    """Print one JSON line per dead letter, oldest first."""
+    import json
+
+    from redbatch.producer import dlq as dead_letters
+
+    r, keys = _dlq_target(options)
+    for entry in dead_letters.entries(r, keys, limit):
+        click.echo(json.dumps(entry))
+
+
+@dlq.command("retry")
+@_common_options
+@click.argument("ids", nargs=-1)
+@click.option("--all", "everything", is_flag=True, help="Retry every dead letter.")
+def dlq_retry(ids: tuple[str, ...], everything: bool, **options: Any) -> None:
+    """Requeue the dead letters IDS (as `dlq list` shows them), or --all."""
+    from redbatch.producer import dlq as dead_letters
+
+    if not ids and not everything:
+        raise click.UsageError("name dead-letter IDS or pass --all")
+    r, keys = _dlq_target(options)
+    click.echo(f"requeued {dead_letters.retry(r, keys, list(ids))}")
+
+
+@dlq.command("purge")
+@_common_options
+@click.argument("ids", nargs=-1)
+@click.option("--all", "everything", is_flag=True, help="Delete every dead letter.")
+def dlq_purge(ids: tuple[str, ...], everything: bool, **options: Any) -> None:
+    """Delete the dead letters IDS, or --all."""
+    from redbatch.producer import dlq as dead_letters
+
+    if not ids and not everything:
+        raise click.UsageError("name dead-letter IDS or pass --all")
+    r, keys = _dlq_target(options)
+    click.echo(f"deleted {dead_letters.purge(r, keys, list(ids))}")
 
 
 if __name__ == "__main__":

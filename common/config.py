@@ -166,3 +166,8 @@ class Settings:
     burst: bool = False
     #: Seconds a graceful shutdown may take to finish in-flight batches.
     shutdown_grace_s: float = 30.0
+    #: Pending jobs idle this long are taken over from their (dead or stuck) worker, ms.
+    #: Keep it well above the p99 time a job spends in a worker; leases are renewed at 1/3.
+    reclaim_idle_ms: int = 60_000
+    #: Deliveries after which a job is dead-lettered instead of run again.
+    max_deliveries: int = 3

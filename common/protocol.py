@@ -11,6 +11,7 @@ types and sizes and raise :class:`ProtocolError` carrying a stable
 
 from __future__ import annotations
 
+import math
 import re
 import uuid
 from collections.abc import Mapping
@@ -34,6 +35,15 @@ FIELD_JOB = "job"
 """Stream field holding the msgpack job envelope."""
 
 DONE_TOKEN = b"1"
+
+#: Fields of a dead-letter entry (besides FIELD_REQUEST_ID and FIELD_JOB, copied as they were).
+DLQ_SOURCE = "source"
+DLQ_ENTRY = "entry"
+DLQ_REASON = "reason"
+DLQ_DELIVERIES = "deliveries"
+DLQ_AT_MS = "at_ms"
+#: Dead-letter entries kept at most (approximate trim), so the DLQ cannot grow without bound.
+DLQ_MAX_LEN = 100_000
 
 MAX_ENVELOPE_OVERHEAD_BYTES = 64 * 1024
 MAX_PARAMS = 32
@@ -74,10 +84,18 @@ class ErrorCode(str, Enum):
     """The model's preprocessing rejected the payload for another reason."""
     EXPIRED = "expired"
     """The deadline passed before the job could be computed; it was not run."""
+    DEAD_LETTERED = "dead_lettered"
+    """Delivered too many times (it kept killing workers), or unanswerable; see the DLQ."""
     PREPROCESS_CRASHED = "preprocess_crashed"
     """A preprocessing process died on this input more than once."""
     INFERENCE_FAILED = "inference_failed"
+    """The model raised an error on this request (alone, after the batch was split)."""
+    NON_FINITE_OUTPUT = "non_finite_output"
+    """The model's output for this request holds NaN or infinity."""
     INTERNAL = "internal"
+    QUEUE_FULL = "queue_full"
+    """Refused at submit: the lane's queue is at its bound (see ADMIT_SCRIPT). Never
+    written by workers into a result; the client raises it to its caller."""
 
 
 class ProtocolError(Exception):
@@ -153,6 +171,10 @@ class Keys:
         """List key that receives one token when the result is written (BLPOP it)."""
         return f"{self._base}:done:{request_id}"
 
+    def dlq(self) -> str:
+        """The dead-letter stream: jobs that will not be run again, with the reason."""
+        return f"{self._base}:dlq"
+
     def reply(self, name: str) -> str:
         """A client's reply list: workers push the request id of each finished job whose
         envelope names it, so a client with many jobs in flight waits on one key."""
@@ -162,6 +184,45 @@ class Keys:
         """True for a key :meth:`reply` can produce; workers write no other list a job names."""
         prefix = f"{self._base}:reply:"
         return key.startswith(prefix) and bool(_NAME_RE.match(key[len(prefix):]))
+
+    def limits(self) -> str:
+        """Hash of queue bounds: field = lane name, value = most entries its stream may
+        hold for a new job to be admitted (absent: unbounded). See ADMIT_SCRIPT."""
+        return f"{self._base}:limits"
+
+
+# --------------------------------------------------------------------------- admission
+
+ADMIT_SCRIPT = """\
+-- KEYS[1] = lane stream, KEYS[2] = limits hash; ARGV[1] = lane, ARGV[2..] = entry fields
+local bound = tonumber(redis.call('HGET', KEYS[2], ARGV[1]))
+if bound and redis.call('XLEN', KEYS[1]) >= bound then
+  return redis.error_reply('QUEUE_FULL ' .. bound)
+end
+return redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+"""
+"""Admission control: XADD a job only while its lane's stream holds fewer entries than
+the lane's bound in :meth:`Keys.limits`, atomically (one Lua script). Workers XDEL each
+entry when they answer it, so XLEN is exactly the jobs queued or in progress. Returns
+the entry id, or an error reply ``QUEUE_FULL <bound>``. Run it with EVALSHA; PROTOCOL.md
+holds the same text."""
+
+QUEUE_FULL_REPLY = "QUEUE_FULL"
+"""First word of the admission script's error reply when a lane is at its bound."""
+
+
+def parse_queue_bound(raw: bytes | str | None) -> int | None:
+    """A limits-hash field read as the admission script reads it: the most entries the
+    lane may hold, or None (unbounded) when the field is absent or not a number."""
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    if math.isnan(value) or math.isinf(value):
+        return None
+    return max(0, math.ceil(value))
 
 
 # --------------------------------------------------------------------------- msgpack

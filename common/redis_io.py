@@ -6,6 +6,7 @@ handle one exception type at the boundary.
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import redis
@@ -50,3 +51,21 @@ def normalise_xread(reply: Any) -> list[tuple[bytes, list[StreamEntry]]]:
     for stream, entries in items:
         out.append((stream, [(eid, fields or {}) for eid, fields in entries]))
     return out
+
+
+class Backoff:
+    """Exponential backoff with jitter for reconnecting: 0.1 s doubling to 5 s, each wait
+    drawn from 50-150% so a fleet that lost Redis together does not return in step."""
+
+    def __init__(self, first_s: float = 0.1, cap_s: float = 5.0) -> None:
+        self.first_s = first_s
+        self.cap_s = cap_s
+        self.failures = 0
+
+    def next_wait_s(self) -> float:
+        wait: float = min(self.cap_s, self.first_s * 2.0 ** self.failures)
+        self.failures += 1
+        return wait * random.uniform(0.5, 1.5)
+
+    def reset(self) -> None:
+        self.failures = 0

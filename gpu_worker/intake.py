@@ -14,18 +14,22 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import redis
 from redbatch.common.protocol import (
+    FIELD_REQUEST_ID,
     GROUP,
     ErrorCode,
     JobEnvelope,
     Keys,
     Lane,
     ProtocolError,
+    valid_request_id,
 )
 from redbatch.common.redis_io import StreamEntry, normalise_xread
+from redbatch.gpu_worker.reclaim import Reclaimer
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,10 @@ class Job:
     """Time it spent in Redis before we read it."""
     deadline_s: float | None
     """Monotonic time after which it is answered ``expired``; None for no deadline."""
+    deliveries: int = 1
+    """How many times Redis has handed this job out."""
+    taken_over: bool = False
+    """Read from a worker that died or stalled holding it: it runs alone (see reclaim.py)."""
     slot: int = -1
     preprocess_ms: float = 0.0
     ready_s: float = 0.0
@@ -64,13 +72,19 @@ class Job:
 
 @dataclass(frozen=True, slots=True)
 class BadEntry:
-    """A stream entry that cannot be run; answered when ``request_id`` is known."""
+    """A stream entry that cannot be run; answered when ``request_id`` is known.
+
+    ``dead_letter`` entries are also copied, raw, to the dead-letter stream.
+    """
 
     stream: str
     entry_id: bytes
     request_id: str | None
     code: ErrorCode
     message: str
+    dead_letter: bool = False
+    fields: Mapping[bytes, bytes] | None = None
+    deliveries: int = 0
 
 
 class RedisClock:
@@ -94,12 +108,15 @@ class RedisClock:
 class Intake:
     """Reads and validates entries for one consumer of one model's group."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, consumer: str, max_payload_bytes: int) -> None:
+    def __init__(self, r: redis.Redis, keys: Keys, consumer: str, max_payload_bytes: int,
+                 reclaim_idle_ms: int = 60_000, max_deliveries: int = 3) -> None:
         self._redis = r
         self.keys = keys
         self.consumer = consumer
         self._max_payload = max_payload_bytes
+        self._max_deliveries = max_deliveries
         self._clock = RedisClock(r)
+        self.reclaimer = Reclaimer(r, consumer, reclaim_idle_ms)
         # Pending recovery cursors; a stream leaves the dict once its backlog is read.
         self._pending_from: dict[str, bytes] = {s: b"0" for s in keys.streams()}
 
@@ -121,15 +138,27 @@ class Intake:
              block_ms: int) -> tuple[list[Job], list[BadEntry]]:
         """Up to ``count`` entries, at most ``bulk_count`` of them from the bulk lane (own
         pending entries first, whatever their lane), validated."""
+        self.reclaimer.renew()
+        # Entries delivered before (our own pending ones, or taken over) may be poison.
         entries = self._read_pending(count) if self.recovering else []
         if not entries:
+            entries = self.reclaimer.claim(self.keys.streams(), count)
+        deliveries = self.reclaimer.deliveries(entries)
+        taken_over = bool(entries)
+        if not entries:
             entries = self._read_new(count, bulk_count, block_ms)
+            deliveries = [1] * len(entries)
         now_ms = self._clock.redis_now_ms()
         jobs: list[Job] = []
         bad: list[BadEntry] = []
-        for stream, entry in entries:
-            item = self._decode(stream, entry, now_ms)
-            (jobs if isinstance(item, Job) else bad).append(item)  # type: ignore[arg-type]
+        for (stream, entry), delivered in zip(entries, deliveries, strict=True):
+            self.reclaimer.leases.hold(stream, entry[0])
+            item = self._decode(stream, entry, now_ms, delivered)
+            if isinstance(item, Job):
+                item.taken_over = taken_over
+                jobs.append(item)
+            else:
+                bad.append(item)
         return jobs, bad
 
     def _xreadgroup(self, streams: dict[str, bytes | str], count: int,
@@ -166,15 +195,25 @@ class Intake:
                                     block_ms)
         return self._xreadgroup({interactive: ">"}, count, min(block_ms, BULK_RECHECK_MS))
 
-    def _decode(self, stream: str, entry: StreamEntry, now_ms: float) -> Job | BadEntry:
+    def _decode(self, stream: str, entry: StreamEntry, now_ms: float,
+                deliveries: int) -> Job | BadEntry:
         entry_id, fields = entry
         if not fields:
             return BadEntry(stream, entry_id, None, ErrorCode.BAD_ENVELOPE,
                             "entry was deleted while pending")
+        if deliveries > self._max_deliveries:
+            rid = fields.get(FIELD_REQUEST_ID.encode(), b"").decode(errors="replace")
+            return BadEntry(stream, entry_id, rid if valid_request_id(rid) else None,
+                            ErrorCode.DEAD_LETTERED,
+                            f"delivered {deliveries} times without an answer (the workers "
+                            f"that took it died); not run again", True, fields, deliveries)
         try:
             env = JobEnvelope.decode(fields, self._max_payload)
         except ProtocolError as e:
-            return BadEntry(stream, entry_id, e.request_id, e.code, e.message)
+            # With no request id nobody can be told: keep the entry for a person to look at.
+            return BadEntry(stream, entry_id, e.request_id, e.code, e.message,
+                            dead_letter=e.request_id is None, fields=fields,
+                            deliveries=deliveries)
         if env.model != self.keys.model:
             return BadEntry(stream, entry_id, env.request_id, ErrorCode.WRONG_MODEL,
                             f"job for model {env.model!r} on the stream of {self.keys.model!r}")
@@ -182,7 +221,9 @@ class Intake:
             # Never let a job make the worker write to an arbitrary key.
             return BadEntry(stream, entry_id, env.request_id, ErrorCode.BAD_ENVELOPE,
                             f"reply_to {env.reply_to[:100]!r} is not a reply key of this model")
-        return _job(env, stream, entry_id, now_ms)
+        job = _job(env, stream, entry_id, now_ms)
+        job.deliveries = deliveries
+        return job
 
 
 def _entry_ms(entry_id: bytes) -> int:

@@ -32,18 +32,19 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
 from redbatch.common import malloc_tuning
 from redbatch.common.config import Settings
 from redbatch.common.protocol import ErrorCode, Keys, Lane
-from redbatch.common.redis_io import REDIS_ERRORS, RedisUnavailable, connect
+from redbatch.common.redis_io import REDIS_ERRORS, Backoff, RedisUnavailable, connect
 from redbatch.gpu_worker.batcher import Batcher, LanePolicy, LatencyEstimator
 from redbatch.gpu_worker.capacity import Capacity
 from redbatch.gpu_worker.handlers import Handler, load_handler
 from redbatch.gpu_worker.intake import BadEntry, Intake, Job
+from redbatch.gpu_worker.model import DeviceFailure, Outcome
 from redbatch.gpu_worker.results import Answer, ResultWriter
 from redbatch.preproc_worker.pool import PreprocPool
 from redbatch.preproc_worker.shm import SlotAllocator, SlotArray
@@ -53,8 +54,6 @@ logger = logging.getLogger(__name__)
 
 #: Longest the main loop sleeps without an event, seconds (bounds reaping and shutdown checks).
 MAX_IDLE_WAIT_S = 0.2
-#: Pause after a failed Redis write or read before trying again, seconds.
-REDIS_RETRY_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +65,14 @@ class _Read:
 @dataclass(frozen=True, slots=True)
 class _Ran:
     batch: list[Job]
-    outputs: list[Any] | None
-    error: str | None
+    outcomes: list[Outcome]
     inference_ms: float
     batch_wait_ms: list[float]
+
+
+@dataclass(frozen=True, slots=True)
+class _DeviceLost:
+    message: str
 
 
 class _Idle:
@@ -92,9 +95,13 @@ class Worker:
         self._ready = threading.Event()
         self._answers: list[Answer] = []
         self._pending: dict[int, Job] = {}  # pool task key -> job
+        self._suspects: deque[Job] = deque()  # jobs delivered before: each runs alone
         self._model_busy = False
         self._retry_at = 0.0
+        self._write_backoff = Backoff()
         self._stop_deadline: float | None = None
+        #: Set when the device broke; the worker command then exits non-zero.
+        self.device_failed = False
         self._threads: list[threading.Thread] = []
         b = settings.batch
         # Bulk jobs never take the in-flight places kept for interactive ones.
@@ -141,11 +148,25 @@ class Worker:
         handler = load_handler(s.model.spec, s.limits)
         self._start_pool(handler)
         self._load_model(handler)
-        self.intake = Intake(connect(s.redis), self.keys, s.consumer, s.limits.max_payload_bytes)
-        self.intake.ensure_groups()
+        self.intake = Intake(connect(s.redis), self.keys, s.consumer, s.limits.max_payload_bytes,
+                             s.reclaim_idle_ms, s.max_deliveries)
+        self._wait_for_redis()
         self.writer = ResultWriter(connect(s.redis), self.keys, s.consumer, s.result_ttl_s)
         self._start_threads()
         self._ready.set()
+
+    def _wait_for_redis(self) -> None:
+        """Create the consumer groups, waiting out a Redis that is down (no crash loop)."""
+        backoff = Backoff()
+        while True:
+            try:
+                self.intake.ensure_groups()
+                return
+            except REDIS_ERRORS as e:
+                wait = backoff.next_wait_s()
+                logger.warning("Redis not reachable (%s); retrying in %.1fs", e, wait)
+                if self._stop.wait(wait):
+                    raise RedisUnavailable("stopped while waiting for Redis") from e
 
     def _start_pool(self, handler: Handler) -> None:
         s = self.settings
@@ -220,10 +241,22 @@ class Worker:
             self._answers.append(self.writer.failed(job, ErrorCode.EXPIRED, "deadline passed "
                                                     "before the job could run"))
         if not self._model_busy:
-            self._launch(self.batcher.pop_ready(now), now)
+            self._launch(self._next_suspect() or self.batcher.pop_ready(now), now)
         self._flush()
 
+    def _next_suspect(self) -> list[Job]:
+        if not self._suspects:
+            return []
+        job = self._suspects.popleft()
+        try:
+            self.intake.reclaimer.charge(job.stream, job.entry_id)
+        except REDIS_ERRORS:
+            pass  # uncounted this once; the lease and the next takeover still bound it
+        return [job]
+
     def _wait_s(self, now: float) -> float:
+        if self._suspects and not self._model_busy:
+            return 0.0
         if self._answers:
             return max(0.0, min(self._retry_at - now, MAX_IDLE_WAIT_S))
         wake = self.batcher.next_wakeup(now)
@@ -251,6 +284,11 @@ class Worker:
             self._on_read(event)
         elif isinstance(event, _Ran):
             self._on_ran(event)
+        elif isinstance(event, _DeviceLost):
+            logger.critical("device failure, exiting for a restart (jobs in flight stay "
+                            "pending and are taken over): %s", event.message)
+            self.device_failed = True
+            self.abort()
         elif isinstance(event, _Idle) and self.settings.burst and self.capacity.in_use == 0:
             logger.info("burst mode: streams drained, stopping")
             self.stop()
@@ -284,7 +322,12 @@ class Worker:
             self._answers.append(self.writer.failed(job, record.error_code, record.message))
             return
         job.ready_s = time.monotonic()
-        self.batcher.add(job)
+        if job.taken_over:
+            # A worker died holding it, maybe because of it: it runs alone, charged one
+            # delivery first (see NOTE [ Poison jobs ] in reclaim.py).
+            self._suspects.append(job)
+        else:
+            self.batcher.add(job)
 
     def _launch(self, batch: list[Job], now: float) -> None:
         if not batch:
@@ -296,14 +339,15 @@ class Worker:
         self._model_busy = False
         n = len(event.batch)
         self.batch_sizes[n] += 1
-        if event.outputs is None:
-            self._answers += [self.writer.failed(job, ErrorCode.INFERENCE_FAILED,
-                                                 event.error or "", n) for job in event.batch]
-            return
-        self.latency.observe(n, event.inference_ms / 1000)
-        for job, output, wait_ms in zip(event.batch, event.outputs, event.batch_wait_ms,
-                                        strict=True):
-            self._answers.append(self.writer.ok(job, output, n, event.inference_ms, wait_ms))
+        if all(o.error is None for o in event.outcomes):
+            self.latency.observe(n, event.inference_ms / 1000)
+        for job, outcome, wait_ms in zip(event.batch, event.outcomes, event.batch_wait_ms,
+                                         strict=True):
+            if outcome.error is not None:
+                self._answers.append(self.writer.failed(job, outcome.error, outcome.message, n))
+            else:
+                self._answers.append(self.writer.ok(job, outcome.output, n, event.inference_ms,
+                                                    wait_ms))
 
     def _flush(self) -> None:
         if not self._answers or time.monotonic() < self._retry_at:
@@ -311,12 +355,15 @@ class Worker:
         try:
             self.writer.write_and_ack(self._answers)
         except RedisUnavailable as e:
-            logger.warning("%s; retrying in %.1fs", e, REDIS_RETRY_S)
-            self._retry_at = time.monotonic() + REDIS_RETRY_S
+            wait = self._write_backoff.next_wait_s()
+            logger.warning("%s; retrying in %.1fs", e, wait)
+            self._retry_at = time.monotonic() + wait
             return
+        self._write_backoff.reset()
         for answer in self._answers:
             if answer.slot >= 0:
                 self.allocator.release(answer.slot)
+            self.intake.reclaimer.leases.release(answer.stream, answer.entry_id)
         self.capacity.give_back(len(self._answers),
                                 bulk=sum(a.lane is Lane.BULK for a in self._answers))
         self._answers = []
@@ -325,6 +372,7 @@ class Worker:
 
     def _intake_loop(self) -> None:
         s = self.settings
+        backoff = Backoff()
         while not self._stop.is_set():
             n = self.capacity.take_up_to(s.batch.max_inflight, timeout_s=MAX_IDLE_WAIT_S)
             if n == 0:
@@ -333,9 +381,16 @@ class Worker:
                 jobs, bad = self.intake.read(n, min(n, self.capacity.bulk_room()), s.block_ms)
             except REDIS_ERRORS as e:
                 self.capacity.give_back(n)
-                logger.warning("reading jobs failed: %s; retrying", e)
-                self._stop.wait(REDIS_RETRY_S)
+                wait = backoff.next_wait_s()
+                logger.warning("reading jobs failed: %s; retrying in %.1fs", e, wait)
+                self._stop.wait(wait)
                 continue
+            except Exception:  # a bug here must not silently stop the worker from reading
+                self.capacity.give_back(n)
+                logger.exception("reading jobs failed; retrying")
+                self._stop.wait(backoff.next_wait_s())
+                continue
+            backoff.reset()
             self.capacity.took_bulk(sum(job.bulk for job in jobs))
             self.capacity.give_back(n - len(jobs) - len(bad))
             if jobs or bad:
@@ -348,11 +403,10 @@ class Worker:
             batch, waits = item
             start = time.perf_counter()
             try:
-                outputs = self.runner.run([j.slot for j in batch],
-                                          [j.envelope.params for j in batch])
-                error = None
-            except Exception as e:  # every request of the batch gets an error result
-                logger.exception("batch of %d failed", len(batch))
-                outputs, error = None, f"{type(e).__name__}: {e}"
+                outcomes = self.runner.run_isolating([j.slot for j in batch],
+                                                     [j.envelope.params for j in batch])
+            except DeviceFailure as e:
+                self._events.put(_DeviceLost(str(e)))
+                return
             elapsed_ms = (time.perf_counter() - start) * 1000
-            self._events.put(_Ran(batch, outputs, error, elapsed_ms, waits))
+            self._events.put(_Ran(batch, outcomes, elapsed_ms, waits))

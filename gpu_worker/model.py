@@ -13,10 +13,12 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from redbatch.common.protocol import ErrorCode
 from redbatch.gpu_worker.handlers import Handler
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,26 @@ def choose_torch_threads(requested: int, pool_processes: int) -> int:
 
 class BatchSizeMismatch(RuntimeError):
     pass
+
+
+class DeviceFailure(RuntimeError):
+    """The device is unusable (a CUDA error other than out-of-memory): the worker must exit
+    so its supervisor restarts it; its jobs are taken over by other workers."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one request of a batch got: an output, or an error code with a message."""
+
+    output: Any = None
+    error: ErrorCode | None = None
+    message: str = ""
+
+
+def _is_device_fatal(e: Exception) -> bool:
+    text = str(e)
+    return isinstance(e, RuntimeError) and not isinstance(e, torch.cuda.OutOfMemoryError) \
+        and ("CUDA error" in text or "device-side assert" in text)
 
 
 class ModelRunner:
@@ -84,8 +106,9 @@ class ModelRunner:
             # .cpu() waits for this stream only; the host buffer may be reused after it.
             return outputs.cpu()
 
-    def run(self, slot_ids: Sequence[int], params: Sequence[Mapping[str, Any]]) -> list[Any]:
-        """Outputs for the inputs in ``slot_ids``, one per slot, in order.
+    def run(self, slot_ids: Sequence[int],
+            params: Sequence[Mapping[str, Any]]) -> list[Outcome]:
+        """One outcome per slot, in order; outputs holding NaN or infinity are flagged.
 
         Raises whatever the model raises, and BatchSizeMismatch when the
         handler returns a different number of outputs than inputs.
@@ -93,10 +116,34 @@ class ModelRunner:
         n = len(slot_ids)
         index = torch.as_tensor(slot_ids, dtype=torch.long)
         batch = torch.index_select(self._slots, 0, index, out=self._host[:n])
-        outputs = self.handler.postprocess(self._forward(batch), params)
+        raw = self._forward(batch)
+        finite = torch.isfinite(raw.reshape(n, -1)).all(dim=1).tolist()
+        outputs = self.handler.postprocess(raw, params)
         if len(outputs) != n:
             raise BatchSizeMismatch(f"model returned {len(outputs)} outputs for {n} inputs")
-        return outputs
+        return [Outcome(out) if ok else
+                Outcome(error=ErrorCode.NON_FINITE_OUTPUT, message="output holds NaN or inf")
+                for out, ok in zip(outputs, finite, strict=True)]
+
+    def run_isolating(self, slot_ids: Sequence[int],
+                      params: Sequence[Mapping[str, Any]]) -> list[Outcome]:
+        """Like ``run``, but a failing batch is split in halves and retried, so one bad
+        request gets ``inference_failed`` and the others their outputs. Out-of-memory is
+        handled the same way. Raises DeviceFailure when the device itself is broken."""
+        try:
+            return self.run(slot_ids, params)
+        except Exception as e:
+            if _is_device_fatal(e):
+                raise DeviceFailure(str(e)) from e
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()
+            if len(slot_ids) == 1:
+                logger.warning("request failed in the model: %s: %s", type(e).__name__, e)
+                return [Outcome(error=ErrorCode.INFERENCE_FAILED,
+                                message=f"{type(e).__name__}: {e}")]
+            mid = len(slot_ids) // 2
+            return self.run_isolating(slot_ids[:mid], params[:mid]) + \
+                self.run_isolating(slot_ids[mid:], params[mid:])
 
     def close(self) -> None:
         """Drop the view on shared memory so the segment can be closed."""

@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis
 from redbatch.common.protocol import (
+    DLQ_AT_MS,
+    DLQ_DELIVERIES,
+    DLQ_ENTRY,
+    DLQ_MAX_LEN,
+    DLQ_REASON,
+    DLQ_SOURCE,
     DONE_TOKEN,
+    FIELD_JOB,
+    FIELD_REQUEST_ID,
     GROUP,
     ErrorCode,
     Keys,
@@ -38,6 +46,8 @@ class Answer:
     slot: int = -1
     reply_to: str | None = None
     lane: Lane = Lane.INTERACTIVE
+    dead_letter: dict[str, bytes | str] | None = None
+    """Fields of a dead-letter entry to add to the DLQ in the same transaction."""
 
 
 def _answer(entry: Job | BadEntry, result: ResultEnvelope, slot: int = -1) -> Answer:
@@ -85,13 +95,16 @@ class ResultWriter:
         return _answer(job, result, job.slot)
 
     def rejected(self, entry: BadEntry) -> Answer:
-        """An entry that failed validation: answered if it has an id, acknowledged either way."""
+        """An entry that cannot run: answered if it has an id, dead-lettered if it is
+        marked so, acknowledged either way."""
+        dead = _dead_letter_fields(entry) if entry.dead_letter else None
         if entry.request_id is None:
-            return Answer(entry.stream, entry.entry_id, None)
+            return Answer(entry.stream, entry.entry_id, None, dead_letter=dead)
         result = ResultEnvelope.error(entry.request_id, entry.code, entry.message,
                                       worker=self.worker, model=self.keys.model,
                                       finished_ms=int(time.time() * 1000))
-        return _answer(entry, result)
+        answer = _answer(entry, result)
+        return replace(answer, dead_letter=dead)
 
     # ------------------------------------------------------------------ writing
 
@@ -105,9 +118,14 @@ class ResultWriter:
             return
         pipe = self._redis.pipeline(transaction=True)
         for answer in answers:
+            if answer.dead_letter is not None:
+                pipe.xadd(self.keys.dlq(), answer.dead_letter,  # type: ignore[arg-type]
+                          maxlen=DLQ_MAX_LEN, approximate=True)
             if answer.request_id is not None:
                 rid = answer.request_id
-                pipe.set(self.keys.result(rid), answer.encoded, px=self._ttl_ms)
+                # NX: a job run twice (taken over from a stuck worker) keeps its first result,
+                # so a late write can never change what a client already read.
+                pipe.set(self.keys.result(rid), answer.encoded, px=self._ttl_ms, nx=True)
                 pipe.rpush(self.keys.done(rid), DONE_TOKEN)
                 pipe.pexpire(self.keys.done(rid), self._ttl_ms)
                 if answer.reply_to is not None:
@@ -120,6 +138,19 @@ class ResultWriter:
             pipe.execute()
         except REDIS_ERRORS as e:
             raise RedisUnavailable(f"writing {len(answers)} results failed: {e}") from e
+
+
+def _dead_letter_fields(entry: BadEntry) -> dict[str, bytes | str]:
+    fields = dict(entry.fields or {})
+    return {
+        FIELD_REQUEST_ID: fields.get(FIELD_REQUEST_ID.encode(), b""),
+        FIELD_JOB: fields.get(FIELD_JOB.encode(), b""),
+        DLQ_SOURCE: entry.stream,
+        DLQ_ENTRY: entry.entry_id,
+        DLQ_REASON: f"{entry.code.value}: {entry.message}",
+        DLQ_DELIVERIES: str(entry.deliveries),
+        DLQ_AT_MS: str(int(time.time() * 1000)),
+    }
 
 
 def _by_stream(answers: Sequence[Answer]) -> dict[str, list[bytes]]:

@@ -11,19 +11,39 @@ NOTE [ Interrupting a scoring run ]
   ``--resume`` scores them again. A second signal stops collecting at once.
   The output never holds half a record from this process, and a half line
   left by a crash (SIGKILL) is dropped when the run resumes.
+
+NOTE [ A bounded queue ]
+  When the lane has a bound (admission control) the scorer is just one more
+  producer that can be refused. Refused items are kept, in order, at the head
+  of the line (only the item: the file is read again when it is resubmitted,
+  so memory stays bounded) and count towards the window. The scorer then backs
+  off, exponentially with jitter from BACKOFF_START_S up to BACKOFF_MAX_S,
+  while it keeps collecting results; a retry that gets jobs admitted resets the
+  delay, and results of its own jobs (room was freed) end the wait at once,
+  without resetting the delay should the room be gone again. Once refused,
+  the scorer asks for the room left before each submission and sends no more
+  than fits, so refused payloads are not sent over and over; the script still
+  decides, atomically, so other producers racing for the same room only cause
+  more retries. New items that find no room wait in the same line. An item
+  that waits longer than ``timeout_s`` to be admitted is written as a
+  ``timeout``, so a run against a queue that never drains still ends.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
+import random
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import redis
-from redbatch.common.protocol import Lane, ResultEnvelope
-from redbatch.producer.client import Client
+from redbatch.common.protocol import JobEnvelope, Lane, ResultEnvelope
+from redbatch.producer.client import Client, QueueFull
 from redbatch.producer.inputs import Item
 from redbatch.producer.output import DoneIndex, OutputWriter, record
 from redbatch.producer.progress import Progress, RunStats
@@ -34,6 +54,11 @@ SUBMIT_CHUNK = 64
 COLLECT_CHUNK = 256
 #: Longest single wait for a reply, seconds (bounds how late a signal is noticed).
 WAIT_SLICE_S = 0.5
+#: Back-off after a queue_full refusal: first delay and cap, seconds (see the NOTE).
+BACKOFF_START_S = 0.05
+BACKOFF_MAX_S = 2.0
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +79,45 @@ class _InFlight:
     sent: float
 
 
+@dataclass(slots=True)
+class _Waiting:
+    """An item to submit; ``since``: when admission control first refused it (monotonic),
+    for its timeout, or None when it was not refused yet."""
+
+    item: Item
+    since: float | None = None
+
+
+class Backoff:
+    """Exponential back-off with jitter: each delay is uniform in [d/2, d], where d doubles
+    from ``start`` up to ``cap`` with every failure and returns to ``start`` on progress."""
+
+    def __init__(self, start: float = BACKOFF_START_S, cap: float = BACKOFF_MAX_S) -> None:
+        self.start = start
+        self.cap = cap
+        self._next = start
+        #: Monotonic time before which no retry is made.
+        self.until = 0.0
+
+    def failed(self, now: float) -> None:
+        delay = self._next
+        self._next = min(self.cap, self._next * 2)
+        self.until = now + random.uniform(delay / 2, delay)
+
+    def progressed(self, now: float) -> None:
+        """Jobs were admitted: keep polling at the start rate while any wait."""
+        self._next = self.start
+        self.failed(now)
+
+    def reset(self) -> None:
+        self._next = self.start
+        self.until = 0.0
+
+    def wake(self) -> None:
+        """Retry now (room was freed), keeping the delay for the next failure."""
+        self.until = 0.0
+
+
 class BulkScorer:
     """Scores items from an iterator into an output writer; see the module NOTE."""
 
@@ -69,6 +133,12 @@ class BulkScorer:
         self.aborting = threading.Event()
         self._reply = client.keys().reply(f"run-{uuid.uuid4().hex[:12]}")
         self._inflight: dict[str, _InFlight] = {}
+        #: Items refused by admission control, oldest first, to be submitted before any
+        #: new one (see the NOTE).
+        self._refused: deque[_Waiting] = deque()
+        self._backoff = Backoff()
+        #: The lane refused us once: size every submission to the room its queue has left.
+        self._bounded = False
         self._exhausted = False
 
     def stop(self) -> None:
@@ -88,7 +158,8 @@ class BulkScorer:
                 self._fill(pending)
             elif drain_until is None:
                 drain_until = time.monotonic() + self.settings.grace_s
-            if not self._inflight and (self.stopping.is_set() or self._exhausted):
+            if not self._inflight and (self.stopping.is_set() or
+                                       (self._exhausted and not self._refused)):
                 break
             if drain_until is not None and time.monotonic() > drain_until:
                 break
@@ -102,7 +173,7 @@ class BulkScorer:
             self.client.redis.delete(self._reply)
         except (redis.ConnectionError, redis.TimeoutError):
             pass  # the list expires on its own
-        return self._exhausted and not self._inflight
+        return self._exhausted and not self._inflight and not self._refused
 
     def _unseen(self, items: Iterator[Item]) -> Iterator[Item]:
         for item in items:
@@ -118,14 +189,47 @@ class BulkScorer:
     # ------------------------------------------------------------------ submit
 
     def _fill(self, pending: Iterator[Item]) -> None:
-        """Top the window up, in pipelined chunks."""
-        while len(self._inflight) < self.settings.window:
-            room = min(SUBMIT_CHUNK, self.settings.window - len(self._inflight))
-            chunk = [item for _, item in zip(range(room), pending, strict=False)]
-            if not chunk:
-                self._exhausted = True
+        """Top the window up, in pipelined chunks; refused items go first, once the
+        back-off allows (see the NOTE)."""
+        while True:
+            if self._refused:
+                room = min(SUBMIT_CHUNK, len(self._refused))
+            else:
+                room = min(SUBMIT_CHUNK, self.settings.window - len(self._inflight))
+                if room <= 0 or self._exhausted:
+                    return
+            if time.monotonic() < self._backoff.until:
                 return
-            self._submit(chunk)
+            if self._bounded:
+                free = self.client.queue_state(self.settings.lane).room
+                if free is None:
+                    self._bounded = False  # the bound was removed
+                elif free == 0:
+                    if not self._refused:  # new items wait for room (and time out) too
+                        now = time.monotonic()
+                        self._refused.extend(_Waiting(w.item, now)
+                                             for w in self._take(pending, room))
+                    self._backoff.failed(time.monotonic())
+                    return
+                else:
+                    room = min(room, free)
+            if self._refused:
+                chunk = [self._refused.popleft() for _ in range(room)]
+            else:
+                chunk = self._take(pending, room)
+            admitted, refused = self._submit(chunk)
+            now = time.monotonic()
+            if not refused:
+                self._backoff.reset()
+            elif admitted:
+                self._backoff.progressed(now)
+            else:
+                self._backoff.failed(now)
+
+    def _take(self, pending: Iterator[Item], n: int) -> list[_Waiting]:
+        fresh = list(itertools.islice(pending, n))
+        self._exhausted = len(fresh) < n
+        return [_Waiting(item) for item in fresh]
 
     def _read(self, item: Item) -> bytes | None:
         try:
@@ -140,28 +244,51 @@ class BulkScorer:
             return None
         return data
 
-    def _submit(self, chunk: list[Item]) -> None:
-        jobs, sent = [], []
-        for item in chunk:
-            data = self._read(item)
+    def _submit(self, chunk: list[_Waiting]) -> tuple[int, int]:
+        """Submit items; the refused ones go back to the head of the line, in order.
+        Returns how many were admitted and how many refused."""
+        jobs: list[JobEnvelope] = []
+        entries: dict[str, _Waiting] = {}
+        for entry in chunk:
+            data = self._read(entry.item)
             if data is None:
                 continue
-            jobs.append(self.client.job(data, timeout_s=self.settings.timeout_s,
-                                        lane=self.settings.lane, reply_to=self._reply))
-            sent.append(item)
+            job = self.client.job(data, timeout_s=self.settings.timeout_s,
+                                  lane=self.settings.lane, reply_to=self._reply)
+            jobs.append(job)
+            entries[job.request_id] = entry
+        if not jobs:
+            return 0, 0
+        refused: list[str] = []
+        try:
+            admitted = self.client.submit_jobs(jobs)
+        except QueueFull as e:
+            admitted, refused = e.accepted, e.refused
+            if not self._bounded:
+                logger.info("the %s queue of model %r is full (bound %d): backing off "
+                            "and retrying", e.lane.value, e.model, e.bound)
+            self._bounded = True
         now = time.monotonic()
-        for job, item in zip(jobs, sent, strict=True):
-            self._inflight[job.request_id] = _InFlight(item, now)
-        if jobs:
-            self.client.submit_jobs(jobs)
+        for rid in admitted:
+            self._inflight[rid] = _InFlight(entries[rid].item, now)
+        for rid in reversed(refused):
+            entry = entries[rid]
+            self._refused.appendleft(_Waiting(entry.item, now if entry.since is None
+                                              else entry.since))
+        return len(admitted), len(refused)
 
     # ------------------------------------------------------------------ collect
 
     def _collect(self) -> None:
-        """Wait briefly for finished ids on the reply list, then read and write their results."""
+        """Wait briefly for finished ids on the reply list, then read and write their results.
+
+        While refused items wait, the wait ends when their back-off does."""
         r = self.client.redis
+        wait = WAIT_SLICE_S
+        if self._backoff.until > 0 and not self.stopping.is_set():
+            wait = min(wait, max(0.01, self._backoff.until - time.monotonic()))
         try:
-            first = r.blpop([self._reply], timeout=WAIT_SLICE_S)
+            first = r.blpop([self._reply], timeout=wait)
             if first is None:
                 return
             more = r.lpop(self._reply, COLLECT_CHUNK) or []
@@ -190,6 +317,7 @@ class BulkScorer:
                 continue
             self._write_result(flight, ResultEnvelope.decode(data), (now - flight.sent) * 1000)
         self.writer.flush()
+        self._backoff.wake()  # our jobs left the queue: room for refused ones, if any
 
     def _write_result(self, flight: _InFlight, result: ResultEnvelope, latency_ms: float) -> None:
         item = flight.item
@@ -217,3 +345,7 @@ class BulkScorer:
         for rid in late:
             item = self._inflight.pop(rid).item
             self._write_error(item, "timeout", f"no result within {self.settings.timeout_s:g}s")
+        while self._refused and (self._refused[0].since or limit) < limit:
+            item = self._refused.popleft().item
+            self._write_error(item, "timeout", f"not admitted within "
+                              f"{self.settings.timeout_s:g}s: the queue stayed full")

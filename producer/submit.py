@@ -10,7 +10,7 @@ from typing import Any
 
 from redbatch.common.config import DEFAULT_MAX_PAYLOAD_BYTES
 from redbatch.common.protocol import Lane
-from redbatch.producer.client import Client, ResultTimeout
+from redbatch.producer.client import Client, QueueFull, ResultTimeout
 
 #: Files submitted per pipelined round trip.
 CHUNK = 256
@@ -44,8 +44,9 @@ def submit_files(redis_url: str, paths: list[Path], *, model: str, prefix: str, 
                  timeout_s: float, lane: str = Lane.INTERACTIVE.value) -> bool:
     """Submit every file, then (with ``wait``) print each result in input order.
 
-    Returns False when some file could not be submitted or a result did not
-    arrive in time; per-file error results do not make it fail.
+    Returns False when some file could not be submitted (unreadable, or refused by
+    admission control: ``queue_full``) or a result did not arrive in time; per-file
+    error results do not make it fail.
     """
     ok = True
     limit = DEFAULT_MAX_PAYLOAD_BYTES
@@ -59,9 +60,15 @@ def submit_files(redis_url: str, paths: list[Path], *, model: str, prefix: str, 
                     _emit({"file": str(path), "status": "error",
                            "error": {"code": "unreadable_file", "message": data}})
                     continue
-                rid = client.submit(data, timeout_s=timeout_s, lane=lane,
-                                    content_type=CONTENT_TYPES.get(path.suffix.lower(),
-                                                                   "application/octet-stream"))
+                try:
+                    rid = client.submit(data, timeout_s=timeout_s, lane=lane,
+                                        content_type=CONTENT_TYPES.get(path.suffix.lower(),
+                                                                       "application/octet-stream"))
+                except QueueFull as e:
+                    ok = False
+                    _emit({"file": str(path), "status": "error",
+                           "error": {"code": e.code.value, "message": e.message}})
+                    continue
                 submitted.append((path, rid))
             ok &= _report(client, submitted, wait, timeout_s)
     return ok

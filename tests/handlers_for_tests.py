@@ -42,3 +42,49 @@ class Unencodable(EfficientNetLite0):
 
 def unencodable(limits: LimitSettings) -> Unencodable:
     return Unencodable(limits)
+
+
+class WorkerKiller(EfficientNetLite0):
+    """Kills the worker process itself (not a pool process) when a batch holds a job with
+    the param ``kill_worker``: a poison job, as a model that segfaults on one input would be."""
+
+    def postprocess(self, outputs: Any, params: Any) -> list[Any]:
+        if any(p.get("kill_worker") for p in params):
+            os._exit(17)
+        return super().postprocess(outputs, params)
+
+
+def killer(limits: LimitSettings) -> WorkerKiller:
+    return WorkerKiller(limits)
+
+
+FAIL = b"FAILMODEL"  # the model raises when a batch holds this request
+NAN = b"NANMODEL"  # the model returns NaN for this request
+
+
+class Flaky(EfficientNetLite0):
+    """Marks inputs in their shared-memory slot so that the model itself misbehaves on them."""
+
+    def preprocess(self, payload: bytes, content_type: str, params: Mapping[str, Any],
+                   out: np.ndarray) -> None:
+        for marker, value in ((FAIL, 1000.0), (NAN, -1000.0)):
+            if payload.startswith(marker):
+                out[...] = value
+                return
+        super().preprocess(payload, content_type, params, out)
+
+    def load(self, device: Any) -> Any:
+        model = super().load(device)
+
+        def forward(batch: Any) -> Any:
+            if bool((batch[:, 0, 0, 0] == 1000.0).any()):
+                raise RuntimeError("the model cannot take this input")
+            logits = model(batch)
+            logits[batch[:, 0, 0, 0] == -1000.0] = float("nan")
+            return logits
+
+        return forward
+
+
+def flaky(limits: LimitSettings) -> Flaky:
+    return Flaky(limits)

@@ -48,7 +48,9 @@ def runner() -> Iterator[Device]:
 def classify(device: Device, payloads: list[bytes]) -> list[dict[str, Any]]:
     for i, data in enumerate(payloads):
         device.handler.preprocess(data, "", {}, device.slots.array[i])
-    return device.runner.run(list(range(len(payloads))), [{}] * len(payloads))
+    outcomes = device.runner.run(list(range(len(payloads))), [{}] * len(payloads))
+    assert all(o.error is None for o in outcomes)
+    return [o.output for o in outcomes]
 
 
 def test_checkpoint_loads_strictly_and_labels_are_imagenet() -> None:

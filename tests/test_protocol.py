@@ -186,3 +186,17 @@ def test_doc_names_keys_fields_and_group() -> None:
         assert f"`{lane.value}`" in DOC
     for timing in p.TIMING_NAMES:
         assert f"`{timing}`" in DOC
+
+
+def test_doc_gives_the_admission_script_and_limits_key() -> None:
+    assert f"```lua\n{p.ADMIT_SCRIPT}```" in DOC, "PROTOCOL.md holds the script verbatim"
+    assert Keys("M", "P").limits() == "P:{M}:limits" and "`P:{M}:limits`" in DOC
+    assert f"`{p.QUEUE_FULL_REPLY} <bound>`" in DOC
+
+
+@pytest.mark.parametrize("raw, bound", [(None, None), (b"10", 10), ("0", 0), (b"2.5", 3),
+                                        (b"-4", 0), (b"lots", None), (b"nan", None),
+                                        (b"inf", None)])
+def test_queue_bounds_parse_as_the_script_reads_them(raw: bytes | None,
+                                                     bound: int | None) -> None:
+    assert p.parse_queue_bound(raw) == bound

@@ -1,0 +1,140 @@
+"""Taking over jobs of dead or stuck workers, keeping our own, and spotting poison jobs.
+
+NOTE [ Leases ]
+  A job read by a worker stays pending on that worker's consumer until its
+  result is written. Pending entries idle longer than ``reclaim_idle_ms`` are
+  taken over by any live worker with XAUTOCLAIM: that is how the jobs of a
+  worker that was SIGKILLed, OOM-killed or lost its machine get answered.
+  A live worker renews the lease of every job it still holds (XCLAIM JUSTID,
+  which resets the idle time without counting a delivery) well before that
+  limit, so a long batch is never taken from under it. ``reclaim_idle_ms``
+  must stay well above the p99 time a job spends in one worker.
+
+NOTE [ Poison jobs ]
+  Redis counts deliveries per entry. Jobs are taken over without counting
+  (JUSTID), and each taken-over job is run alone, charged one delivery just
+  before it runs (``charge``): so a job that kills its worker is charged once
+  per death, while the innocent jobs that were waiting in the same worker are
+  not charged for that. A job delivered more than ``max_deliveries`` times is
+  not run again: it goes to the dead-letter stream with the reason, and its
+  client gets a ``dead_lettered`` error result.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, cast
+
+import redis
+from redbatch.common.protocol import GROUP
+from redbatch.common.redis_io import StreamEntry
+
+logger = logging.getLogger(__name__)
+
+
+class Leases:
+    """The entries this worker holds, with when their lease was last renewed (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, bytes], float] = {}
+        self._lock = threading.Lock()
+
+    def hold(self, stream: str, entry_id: bytes) -> None:
+        with self._lock:
+            self._held[(stream, entry_id)] = time.monotonic()
+
+    def release(self, stream: str, entry_id: bytes) -> None:
+        with self._lock:
+            self._held.pop((stream, entry_id), None)
+
+    def due(self, older_than_s: float) -> dict[str, list[bytes]]:
+        """Entries not renewed for ``older_than_s``, by stream; marks them renewed."""
+        now = time.monotonic()
+        out: dict[str, list[bytes]] = {}
+        with self._lock:
+            for (stream, entry_id), renewed in self._held.items():
+                if now - renewed >= older_than_s:
+                    out.setdefault(stream, []).append(entry_id)
+                    self._held[(stream, entry_id)] = now
+        return out
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+
+class Reclaimer:
+    """XAUTOCLAIM of idle entries, lease renewal, and delivery counts."""
+
+    def __init__(self, r: redis.Redis, consumer: str, idle_ms: int) -> None:
+        self._redis = r
+        self.consumer = consumer
+        self.idle_ms = idle_ms
+        self.leases = Leases()
+        self._last_claim = 0.0
+        self._last_renew = time.monotonic()
+
+    def renew(self) -> None:
+        """Reset the idle time of every held entry not renewed for a third of the limit."""
+        period = self.idle_ms / 3000
+        if time.monotonic() - self._last_renew < period:
+            return
+        self._last_renew = time.monotonic()
+        for stream, ids in self.leases.due(period).items():
+            message_ids: list[Any] = list(ids)
+            self._redis.xclaim(stream, GROUP, self.consumer, 0, message_ids, justid=True)
+
+    def claim(self, streams: list[str], count: int) -> list[tuple[str, StreamEntry]]:
+        """Up to ``count`` entries idle longer than the limit on any stream, now ours.
+
+        Entries deleted while pending come back with empty fields (Redis 7 reports
+        them separately; they are acknowledged by the caller like any bad entry).
+        """
+        if count <= 0 or time.monotonic() - self._last_claim < self.idle_ms / 4000:
+            return []
+        self._last_claim = time.monotonic()
+        got: list[tuple[str, StreamEntry]] = []
+        for stream in streams:
+            if len(got) >= count:
+                break
+            got += self._claim_stream(stream, count - len(got))
+        if got:
+            logger.warning("took over %d jobs idle for over %d ms from other consumers",
+                           len(got), self.idle_ms)
+        return got
+
+    def _claim_stream(self, stream: str, count: int) -> list[tuple[str, StreamEntry]]:
+        idle = self._redis.xpending_range(stream, GROUP, min="-", max="+", count=count,
+                                          idle=self.idle_ms)
+        if not idle:
+            return []
+        # JUSTID: taking over is not a delivery (see NOTE [ Poison jobs ]); XCLAIM checks
+        # the idle time again, so of two workers racing for an entry only one gets it.
+        ids: list[Any] = [row["message_id"] for row in idle]
+        claimed = self._redis.xclaim(stream, GROUP, self.consumer, self.idle_ms, ids,
+                                     justid=True)
+        # An entry deleted while pending has no fields any more; it is acknowledged as bad.
+        return [(stream, entry) for entry in self._fetch(stream, cast(list[bytes], claimed))]
+
+    def _fetch(self, stream: str, ids: list[bytes]) -> list[StreamEntry]:
+        pipe = self._redis.pipeline(transaction=False)
+        for entry_id in ids:
+            pipe.xrange(stream, min=entry_id, max=entry_id)
+        return [(eid, rows[0][1] if rows else {}) for eid, rows in zip(ids, pipe.execute(),
+                                                                      strict=True)]
+
+    def charge(self, stream: str, entry_id: bytes) -> None:
+        """Count one delivery of a taken-over job that is about to run."""
+        message_ids: list[Any] = [entry_id]
+        self._redis.xclaim(stream, GROUP, self.consumer, 0, message_ids)
+
+    def deliveries(self, entries: list[tuple[str, StreamEntry]]) -> list[int]:
+        """How many times Redis has delivered each entry (1 when it is not pending)."""
+        if not entries:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for stream, (entry_id, _) in entries:
+            pipe.xpending_range(stream, GROUP, min=entry_id, max=entry_id, count=1)
+        return [int(rows[0]["times_delivered"]) if rows else 1 for rows in pipe.execute()]
