@@ -205,3 +205,44 @@ def test_a_failing_request_is_isolated_from_its_batch(redis_url: str, r: redis.R
     assert max(res.batch_size for res in results) > 1, "they were batched together"
     assert worker.poll() is None
     check_invariant(r, keys, {rid: code for rid, code in zip(ids, codes, strict=True)})
+
+
+def test_a_killed_preprocessing_process_loses_no_job(redis_url: str, r: redis.Redis,
+                                                     start_worker: WorkerFactory,
+                                                     keys: Keys) -> None:
+    import psutil
+
+    worker = start_worker("--pool-processes", "2")
+    with Client(redis_url) as client:
+        ids = client.submit_many([CAT] * 40, timeout_s=300)
+        time.sleep(0.5)
+        pool = [p for p in psutil.Process(worker.pid).children()
+                if "multiprocessing.spawn" in " ".join(p.cmdline())]
+        assert pool, "the worker has pool processes"
+        pool[0].kill()
+        wait_results(client, ids, timeout_s=120)
+    assert worker.poll() is None
+    check_invariant(r, keys, dict.fromkeys(ids))
+
+
+def test_redis_restart_with_aof_loses_nothing(tmp_path: Path, keys: Keys) -> None:
+    from redbatch.common.local_stack import spawn_worker, stop_worker, wait_worker_ready
+    from redbatch.common.redis_server import RedisServer
+
+    with RedisServer(appendonly=True) as server:
+        with open(tmp_path / "worker.log", "wb") as log:
+            worker = spawn_worker(server.url, ["--max-inflight", "16"], stdout=log,
+                                  stderr=subprocess.STDOUT)
+        try:
+            wait_worker_ready(server.url, keys, worker)
+            with Client(server.url) as client:
+                ids = client.submit_many([CAT] * 40, timeout_s=300)
+                client.result(ids[0], timeout_s=120)
+                server.restart()  # SIGKILL; AOF with fsync always keeps every write
+                wait_results(client, ids, timeout_s=180)
+            assert worker.poll() is None, "the worker rode out the restart"
+            r = redis.Redis.from_url(server.url)
+            check_invariant(r, keys, dict.fromkeys(ids))
+            r.close()
+        finally:
+            stop_worker(worker)
