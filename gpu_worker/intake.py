@@ -52,8 +52,6 @@ class Job:
     """Time it spent in Redis before we read it."""
     deadline_s: float | None
     """Monotonic time after which it is answered ``expired``; None for no deadline."""
-    deliveries: int = 1
-    """How many times Redis has handed this job out."""
     taken_over: bool = False
     """Read from a worker that died or stalled holding it: it runs alone (see reclaim.py)."""
     slot: int = -1
@@ -221,9 +219,7 @@ class Intake:
             # Never let a job make the worker write to an arbitrary key.
             return BadEntry(stream, entry_id, env.request_id, ErrorCode.BAD_ENVELOPE,
                             f"reply_to {env.reply_to[:100]!r} is not a reply key of this model")
-        job = _job(env, stream, entry_id, now_ms)
-        job.deliveries = deliveries
-        return job
+        return _job(env, stream, entry_id, now_ms)
 
 
 def _entry_ms(entry_id: bytes) -> int:

@@ -3,7 +3,8 @@
 NOTE [ Leases ]
   A job read by a worker stays pending on that worker's consumer until its
   result is written. Pending entries idle longer than ``reclaim_idle_ms`` are
-  taken over by any live worker with XAUTOCLAIM: that is how the jobs of a
+  taken over by any live worker (XPENDING with IDLE, then XCLAIM, which checks
+  the idle time again so only one worker wins): that is how the jobs of a
   worker that was SIGKILLed, OOM-killed or lost its machine get answered.
   A live worker renews the lease of every job it still holds (XCLAIM JUSTID,
   which resets the idle time without counting a delivery) well before that
@@ -66,7 +67,7 @@ class Leases:
 
 
 class Reclaimer:
-    """XAUTOCLAIM of idle entries, lease renewal, and delivery counts."""
+    """Takeover of idle entries, lease renewal, and delivery counts."""
 
     def __init__(self, r: redis.Redis, consumer: str, idle_ms: int) -> None:
         self._redis = r

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import random
 import threading
 import time
 import uuid
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 
 import redis
 from redbatch.common.protocol import JobEnvelope, Lane, ResultEnvelope
+from redbatch.common.redis_io import Backoff
 from redbatch.producer.client import Client, QueueFull
 from redbatch.producer.inputs import Item
 from redbatch.producer.output import DoneIndex, OutputWriter, record
@@ -88,29 +88,26 @@ class _Waiting:
     since: float | None = None
 
 
-class Backoff:
-    """Exponential back-off with jitter: each delay is uniform in [d/2, d], where d doubles
-    from ``start`` up to ``cap`` with every failure and returns to ``start`` on progress."""
+class RetryClock:
+    """When refused items may be sent again: the shared exponential back-off with jitter
+    (``redis_io.Backoff``), kept as a moment rather than slept through, because the scorer
+    goes on collecting results meanwhile."""
 
     def __init__(self, start: float = BACKOFF_START_S, cap: float = BACKOFF_MAX_S) -> None:
-        self.start = start
-        self.cap = cap
-        self._next = start
+        self._delays = Backoff(first_s=start, cap_s=cap)
         #: Monotonic time before which no retry is made.
         self.until = 0.0
 
     def failed(self, now: float) -> None:
-        delay = self._next
-        self._next = min(self.cap, self._next * 2)
-        self.until = now + random.uniform(delay / 2, delay)
+        self.until = now + self._delays.next_wait_s()
 
     def progressed(self, now: float) -> None:
         """Jobs were admitted: keep polling at the start rate while any wait."""
-        self._next = self.start
+        self._delays.reset()
         self.failed(now)
 
     def reset(self) -> None:
-        self._next = self.start
+        self._delays.reset()
         self.until = 0.0
 
     def wake(self) -> None:
@@ -136,7 +133,7 @@ class BulkScorer:
         #: Items refused by admission control, oldest first, to be submitted before any
         #: new one (see the NOTE).
         self._refused: deque[_Waiting] = deque()
-        self._backoff = Backoff()
+        self._backoff = RetryClock()
         #: The lane refused us once: size every submission to the room its queue has left.
         self._bounded = False
         self._exhausted = False
