@@ -1,7 +1,11 @@
-# A CUDA-capable PyTorch base; the package's torch range (>=2.1) accepts the torch it ships.
+# The worker image. Its install matches CI's (scripts/setup.sh): torch first, then the
+# package with its worker extra (CI adds `test`); tests/test_compose.py checks the two agree.
+# A CUDA-capable PyTorch base (torch 2.5.1, CUDA 12.4); the package accepts torch>=2.1, so
+# pip keeps the base's torch and adds only the rest.
 FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
 
 WORKDIR /app
+# Only what the package build reads: metadata, the readme it names, and the package folders.
 COPY pyproject.toml README.md PROTOCOL.md __init__.py py.typed ./
 COPY common ./common
 COPY producer ./producer
@@ -12,5 +16,7 @@ RUN pip install --no-cache-dir ".[worker]"
 # Run as an unprivileged user; SIGTERM lets the worker drain (see stop_grace_period).
 RUN useradd --create-home redbatch
 USER redbatch
+ENV REDBATCH_METRICS_PORT=9400
+EXPOSE 9400
 STOPSIGNAL SIGTERM
 CMD ["redbatch", "worker"]

@@ -30,6 +30,7 @@ from redbatch.common.config import (
     DEFAULT_MAX_INFLIGHT,
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_MAX_WAIT_MS,
+    DEFAULT_METRICS_PORT,
     DEFAULT_MODEL,
     DEFAULT_REDIS_URL,
     BatchSettings,
@@ -38,6 +39,7 @@ from redbatch.common.config import (
     PoolSettings,
     RedisSettings,
     Settings,
+    TuneSettings,
     default_consumer_name,
     default_pool_processes,
     model_name_from_spec,
@@ -58,6 +60,9 @@ Classify photos and print one JSON line per file:
   redbatch submit --wait --redis redis://localhost:6379/0 cat.jpg photos/
 Without --redis (and no REDBATCH_REDIS_URL), submit starts a private
 redis-server and a local worker, and stops both when done.
+Watch queues, workers and latency (once, or live):
+  redbatch status --redis redis://localhost:6379/0
+  redbatch top --redis redis://localhost:6379/0
 """
 
 
@@ -90,6 +95,43 @@ def main() -> None:
 
 # ---------------------------------------------------------------------------- worker
 
+AUTOCAST = {"off": "", "fp16": "float16", "bf16": "bfloat16"}
+#: Worker options a calibration profile may set unless they are given explicitly.
+PROFILE_TUNABLE = ("max_batch_size", "max_inflight", "channels_last", "autocast", "compile")
+
+
+def _tuning_options(f: F) -> F:
+    """How the device path is tuned: the calibration profile and its overrides."""
+    for option in reversed([
+        _opt("--calibrate", env="CALIBRATE", type=click.Choice(["auto", "load", "off"]),
+             default="auto",
+             help="auto: load this model's and device's calibration profile, or calibrate "
+                  "quickly and store one when there is none; load: only load; off: no profile."),
+        _opt("--profile-dir", env="PROFILE_DIR", default="",
+             help="Calibration profiles directory (default: ~/.cache/redbatch/profiles)."),
+        _opt("--latency-budget-ms", env="LATENCY_BUDGET_MS", type=click.FloatRange(min=0),
+             default=0.0, help="p95 batch latency allowed when calibrating, ms (0: no limit)."),
+        _opt("--channels-last/--no-channels-last", env="CHANNELS_LAST", default=False,
+             help="Run the model in channels_last memory format (default: the profile's)."),
+        _opt("--autocast", env="AUTOCAST", type=click.Choice(sorted(AUTOCAST)), default="off",
+             help="Autocast precision (default: the profile's; fp16/bf16 mainly for CUDA)."),
+        _opt("--compile/--no-compile", env="COMPILE", default=False,
+             help="torch.compile the model; batches are padded to the compiled sizes."),
+        _opt("--memory-watermark", env="MEMORY_WATERMARK", type=click.FloatRange(0, 0.9),
+             default=0.1, help="CUDA: share of device memory kept free by lowering the "
+                               "batch limit."),
+    ]):
+        f = option(f)
+    return f
+
+
+def _explicit(ctx: click.Context) -> frozenset[str]:
+    """Tunable options given by flag or REDBATCH_* variable, which a profile never overrides."""
+    given = (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
+    return frozenset(name for name in PROFILE_TUNABLE
+                     if ctx.get_parameter_source(name) in given)
+
+
 
 @main.command()
 @_common_options
@@ -119,7 +161,10 @@ def main() -> None:
 @_opt("--pool-processes", env="POOL_PROCESSES", type=click.IntRange(min=1),
       default=default_pool_processes(), help="Preprocessing processes (default: cores - 1).")
 @_opt("--torch-threads", env="TORCH_THREADS", type=click.IntRange(min=0), default=0,
-      help="Torch intra-op threads on CPU; 0: cores minus pool processes.")
+      help="Torch intra-op threads; 0: on CPU each lane's share of the cores, on CUDA the "
+           "cores minus pool processes.")
+@_opt("--cpu-lanes", env="CPU_LANES", type=click.IntRange(min=0), default=0,
+      help="CPU: batches run at once, each on its own thread; 0: 2 with 2 cores or more.")
 @_opt("--consumer", env="CONSUMER", default="",
       help="Consumer name in the group; set a stable one to re-read own pending jobs "
            "after a restart (default: host-pid-random).")
@@ -133,14 +178,23 @@ def main() -> None:
       help="Take over jobs pending this long on another (dead or stuck) worker, ms.")
 @_opt("--max-deliveries", env="MAX_DELIVERIES", type=click.IntRange(min=1), default=3,
       help="Deliveries after which a job is dead-lettered instead of run again.")
+@_opt("--batch-timeout-s", env="BATCH_TIMEOUT_S", type=click.FloatRange(min=0.1), default=120.0,
+      help="A batch running longer means a hung device: exit (code 3) for a restart.")
+@_opt("--metrics-port", env="METRICS_PORT", type=click.IntRange(min=0, max=65535),
+      default=DEFAULT_METRICS_PORT,
+      help="Port serving /metrics (Prometheus), /healthz and /readyz; 0 turns them off.")
+@_opt("--metrics-host", env="METRICS_HOST", default="0.0.0.0",
+      help="Address the metrics port listens on.")
 @_opt("--burst", env="BURST", is_flag=True, default=False,
       help="Exit once the streams are empty and every job is answered.")
+@_tuning_options
 def worker(**options: Any) -> None:
     """Serve a model: read jobs, batch them, write results."""
     from redbatch.common.malloc_tuning import reexec_with_malloc_tuning
 
     reexec_with_malloc_tuning("redbatch.common.cli")
     setup_logging(options["log_level"])
+    options["explicit"] = _explicit(click.get_current_context())
     settings = build_settings(options)
     from redbatch.gpu_worker.loop import Worker
 
@@ -171,12 +225,24 @@ def build_settings(options: dict[str, Any]) -> Settings:
         limits=LimitSettings(max_payload_bytes=options["max_payload_bytes"],
                              max_image_pixels=options["max_image_pixels"]),
         model=ModelSettings(spec=spec, name=options["model_name"] or model_name_from_spec(spec),
-                            device=options["device"], torch_threads=options["torch_threads"]),
+                            device=options["device"], torch_threads=options["torch_threads"],
+                            cpu_lanes=options.get("cpu_lanes", 0),
+                            channels_last=options.get("channels_last", False),
+                            autocast=AUTOCAST[options.get("autocast", "off")],
+                            compile=options.get("compile", False)),
+        tune=TuneSettings(calibrate=options.get("calibrate", "auto"),
+                          profile_dir=options.get("profile_dir", ""),
+                          latency_budget_ms=options.get("latency_budget_ms", 0.0),
+                          memory_watermark=options.get("memory_watermark", 0.1),
+                          explicit=options.get("explicit", frozenset())),
         consumer=options["consumer"] or default_consumer_name(),
         result_ttl_s=options["result_ttl_s"],
         burst=options["burst"],
         reclaim_idle_ms=options["reclaim_idle_ms"],
         max_deliveries=options["max_deliveries"],
+        metrics_port=options["metrics_port"],
+        metrics_host=options["metrics_host"],
+        batch_timeout_s=options["batch_timeout_s"],
     )
 
 
@@ -196,6 +262,86 @@ def _signals_stop(stop: Callable[[], None], abort: Callable[[], None]) -> Iterat
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+# ---------------------------------------------------------------------------- calibrate
+
+
+@main.command()
+@click.option("--model", "model_spec", envvar="REDBATCH_MODEL", show_envvar=True,
+              default=DEFAULT_MODEL, show_default=True,
+              help="Built-in model name, TorchScript file (*.pt), or 'package.module:factory'.")
+@_opt("--device", env="DEVICE", default="auto", help="auto, cpu, cuda or cuda:N.")
+@click.option("--latency-budget-ms", type=click.FloatRange(min=0), default=None,
+              help="Largest p95 latency of one batch, ms; sizes over it are not chosen.")
+@click.option("--max-batch", type=click.IntRange(min=1), default=None,
+              help="Largest batch size tried [default: 64 on CPU, 512 on CUDA; the sweep "
+                   "also stops at the free-memory watermark or when throughput falls].")
+@click.option("--runs", type=click.IntRange(min=1), default=7, show_default=True,
+              help="Timed runs per batch size and variant.")
+@click.option("--warmup-runs", type=click.IntRange(min=0), default=2, show_default=True,
+              help="Untimed runs per batch size and variant first.")
+@click.option("--variant", "variants", multiple=True,
+              help="Measure only this variant (repeatable): eager, channels_last, fp16, bf16, "
+                   "compile, or a '+' combination such as channels_last+fp16.")
+@click.option("--compile", "try_compile", is_flag=True, default=False,
+              help="Also try torch.compile (on CPU 10-35 s of compilation per batch size).")
+@_opt("--pool-processes", env="POOL_PROCESSES", type=click.IntRange(min=1),
+      default=default_pool_processes(),
+      help="The worker's preprocessing processes (they decide its torch threads).")
+@_opt("--torch-threads", env="TORCH_THREADS", type=click.IntRange(min=0), default=0,
+      help="Torch threads to measure with; 0: what the worker would use.")
+@_opt("--cpu-lanes", env="CPU_LANES", type=click.IntRange(min=0), default=0,
+      help="CPU: batches run at once, as the worker runs them; 0: what the worker would use.")
+@_opt("--memory-watermark", env="MEMORY_WATERMARK", type=click.FloatRange(0, 0.9),
+      default=0.1, help="CUDA: share of device memory the sweep leaves free.")
+@_opt("--profile-dir", env="PROFILE_DIR", default="",
+      help="Where profiles are stored (default: ~/.cache/redbatch/profiles).")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="Profile file to write [default: <profile dir>/<model>--<device>.json].")
+@_opt("--log-level", env="LOG_LEVEL", default="WARNING",
+      type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+def calibrate(**options: Any) -> None:
+    """Measure the model alone on the device and store its profile for `redbatch worker`.
+
+    Times batch sizes 1, 2, 4, ... for each device-path variant, picks the smallest
+    batch size reaching 95% of the peak throughput within the latency budget and the
+    fastest variant, and prints the table and the choice.
+    """
+    from redbatch.common.malloc_tuning import reexec_with_malloc_tuning
+
+    reexec_with_malloc_tuning("redbatch.common.cli")  # measure under the worker's malloc
+    setup_logging(options.pop("log_level"))
+    import dataclasses
+
+    from redbatch.gpu_worker.calibrate import (
+        CalibrationSettings,
+        calibrate_to_file,
+        format_table,
+    )
+    from redbatch.gpu_worker.model import choose_torch_threads, cpu_lanes
+
+    o = options
+    settings = CalibrationSettings(
+        max_batch=o["max_batch"], latency_budget_ms=o["latency_budget_ms"], runs=o["runs"],
+        warmup_runs=o["warmup_runs"], try_compile=o["try_compile"],
+        variants=tuple(o["variants"]), memory_watermark=o["memory_watermark"])
+    from redbatch.gpu_worker.model import resolve_device
+
+    try:
+        kind = resolve_device(o["device"]).type
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    lanes = cpu_lanes(o["cpu_lanes"]) if kind == "cpu" else 1
+    threads = choose_torch_threads(o["torch_threads"], o["pool_processes"], kind, lanes)
+    try:
+        profile, path = calibrate_to_file(
+            o["model_spec"], o["device"], threads, dataclasses.replace(settings, lanes=lanes),
+            Path(o["out"]) if o["out"] else None, o["profile_dir"], click.echo)
+    except ValueError as e:  # a bad --model, --device or --variant
+        raise click.ClickException(str(e)) from e
+    click.echo(format_table(profile))
+    click.echo(f"profile written to {path}")
 
 
 # ---------------------------------------------------------------------------- submit
@@ -434,7 +580,11 @@ def dlq_retry(ids: tuple[str, ...], everything: bool, **options: Any) -> None:
     if not ids and not everything:
         raise click.UsageError("name dead-letter IDS or pass --all")
     r, keys = _dlq_target(options)
-    click.echo(f"requeued {dead_letters.retry(r, keys, list(ids))}")
+    try:
+        click.echo(f"requeued {dead_letters.retry(r, keys, list(ids))}")
+    except dead_letters.RetryQueueFull as e:
+        click.echo(f"requeued {e.requeued}")
+        raise click.ClickException(str(e)) from e
 
 
 @dlq.command("purge")
@@ -449,6 +599,92 @@ def dlq_purge(ids: tuple[str, ...], everything: bool, **options: Any) -> None:
         raise click.UsageError("name dead-letter IDS or pass --all")
     r, keys = _dlq_target(options)
     click.echo(f"deleted {dead_letters.purge(r, keys, list(ids))}")
+
+
+# ---------------------------------------------------------------------------- status, top
+
+NEEDS_REDIS = ("{command} looks at a running fleet: give its Redis with --redis URL or "
+               "REDBATCH_REDIS_URL")
+
+
+def _status_options(f: F) -> F:
+    for option in reversed([
+        _opt("--redis", "redis_url", env="REDIS_URL", default=None,
+             help="Redis URL of the fleet, e.g. redis://host:6379/0."),
+        _opt("--prefix", env="PREFIX", default=DEFAULT_PREFIX, help="Prefix of every Redis key."),
+        _opt("--model", "--model-name", "models", env="MODEL_NAME", multiple=True,
+             help="Served model name to show (repeatable); default: every model found."),
+    ]):
+        f = option(f)
+    return f
+
+
+def _status_redis(command: str, options: dict[str, Any]) -> redis.Redis:
+    from redbatch.common.protocol import validate_name
+    from redbatch.common.redis_io import connect
+
+    # A private redis-server (as submit starts) would hold nothing worth looking at.
+    if not options["redis_url"]:
+        raise click.ClickException(NEEDS_REDIS.format(command=f"redbatch {command}"))
+    try:
+        for name in options["models"]:
+            validate_name(name)
+        return connect(RedisSettings.from_dsn(options["redis_url"], options["prefix"]))
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+
+
+@main.command()
+@_status_options
+@click.option("--json", "as_json", is_flag=True, default=False, help="Print JSON, not a table.")
+def status(as_json: bool, **options: Any) -> None:
+    """Print queues, workers and recent results of each model and lane, once."""
+    import json
+
+    from redbatch.common.status import gather
+    from redbatch.common.status_view import render
+
+    r = _status_redis("status", options)
+    try:
+        fleet = gather(r, options["prefix"], options["models"])
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        raise click.ClickException(f"cannot reach Redis: {e}") from e
+    click.echo(json.dumps(fleet.to_dict()) if as_json else render(fleet), nl=as_json)
+
+
+@main.command()
+@_status_options
+@_opt("--interval", env="TOP_INTERVAL_S", type=click.FloatRange(min=0.1), default=1.0,
+      help="Seconds between redraws.")
+def top(interval: float, **options: Any) -> None:
+    """Show `redbatch status` live, redrawn every --interval seconds; Ctrl-C quits."""
+    from redbatch.common.status_view import run_top
+
+    r = _status_redis("top", options)
+    with _signals_raise():  # SIGTERM too leaves the terminal as it was
+        run_top(_top_frames(r, options["prefix"], options["models"]), interval, sys.stdout)
+
+
+def _top_frames(r: redis.Redis, prefix: str, models: tuple[str, ...]) -> Callable[[], str]:
+    """One frame per call; models are looked up (a SCAN) every 10 s, not every frame."""
+    import time
+
+    from redbatch.common.status import discover_models, gather
+    from redbatch.common.status_view import render
+
+    found: list[str] = []
+    found_at = float("-inf")
+
+    def frame() -> str:
+        nonlocal found, found_at
+        try:
+            if not models and time.monotonic() - found_at > 10:
+                found, found_at = discover_models(r, prefix), time.monotonic()
+            return render(gather(r, prefix, models or found))
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            return f"redbatch top: cannot reach Redis ({e}); retrying\n"
+
+    return frame
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ DEFAULT_BULK_BATCH_MS = 25.0
 DEFAULT_BULK_STARVE_MS = 500.0
 DEFAULT_MAX_PAYLOAD_BYTES = 20 * 1024 * 1024
 DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
+DEFAULT_METRICS_PORT = 9400
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +126,17 @@ class ModelSettings:
     name: str = ""
     #: auto, cpu, cuda or cuda:N.
     device: str = "auto"
-    #: Intra-op threads of torch on CPU; 0 means cores minus pool processes.
+    #: Intra-op threads of torch; 0: on CPU each lane's share of the cores, on CUDA the
+    #: cores minus pool processes.
     torch_threads: int = 0
+    #: CPU: batches run at once, each on its own thread; 0: 2 with 2 cores or more.
+    cpu_lanes: int = 0
+    #: Run the model and its inputs in channels_last memory format (4-D inputs).
+    channels_last: bool = False
+    #: Autocast dtype: "" (full precision), "float16" or "bfloat16".
+    autocast: str = ""
+    #: torch.compile the model (inductor, static shapes: batches round up to compiled sizes).
+    compile: bool = False
 
     @property
     def served_name(self) -> str:
@@ -140,6 +150,30 @@ def model_name_from_spec(spec: str) -> str:
     else:
         base = Path(spec).stem if spec.endswith((".pt", ".pth", ".ts")) else spec
     return re.sub(r"[^A-Za-z0-9_.\-]", "_", base)[:64] or "model"
+
+
+@dataclass(frozen=True, slots=True)
+class TuneSettings:
+    """Where the calibration profile comes from (see gpu_worker/tuning.py)."""
+
+    #: auto: load the profile, or calibrate quickly and store one when there is none;
+    #: load: load it if there is one; off: no profile.
+    calibrate: str = "auto"
+    #: Profile directory; empty: $REDBATCH_PROFILE_DIR, else ~/.cache/redbatch/profiles.
+    profile_dir: str = ""
+    #: p95 latency a batch may take when the worker calibrates itself, ms; 0: no limit.
+    latency_budget_ms: float = 0.0
+    #: CUDA: share of device memory kept free; the batch limit drops before it is reached.
+    memory_watermark: float = 0.1
+    #: Settings given explicitly (flag or variable), which a profile never overrides:
+    #: names among max_batch_size, max_inflight, channels_last, autocast, compile.
+    explicit: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.calibrate not in ("auto", "load", "off"):
+            raise ValueError("calibrate must be auto, load or off")
+        if not 0 <= self.memory_watermark < 1:
+            raise ValueError("memory_watermark must be in [0, 1)")
 
 
 def default_consumer_name() -> str:
@@ -156,6 +190,7 @@ class Settings:
     pool: PoolSettings = field(default_factory=PoolSettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
     model: ModelSettings = field(default_factory=ModelSettings)
+    tune: TuneSettings = field(default_factory=TuneSettings)
     #: Consumer name in the group; unique per worker process.
     consumer: str = field(default_factory=default_consumer_name)
     #: Seconds a result is kept for its client to collect.
@@ -171,3 +206,10 @@ class Settings:
     reclaim_idle_ms: int = 60_000
     #: Deliveries after which a job is dead-lettered instead of run again.
     max_deliveries: int = 3
+    #: Port of /metrics, /healthz and /readyz; 0 serves none of them.
+    metrics_port: int = DEFAULT_METRICS_PORT
+    #: Address the metrics server listens on; 0.0.0.0 for Prometheus on other hosts.
+    metrics_host: str = "0.0.0.0"
+    #: A batch running longer than this, seconds, means a hung device or model: the worker
+    #: exits (code 3) for its supervisor to restart it, and its jobs are taken over.
+    batch_timeout_s: float = 120.0

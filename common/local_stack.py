@@ -86,8 +86,12 @@ class LocalStack:
     def __init__(self, model_spec: str, model_name: str, prefix: str,
                  worker_args: list[str] | None = None) -> None:
         self.keys = Keys(model_name, prefix)
+        # No metrics port: a private worker is nobody's scrape target, and a fleet worker on
+        # this host may hold the default port.
+        # No calibration either: a quick one would delay every private run by seconds.
         self.worker_args = ["--model", model_spec, "--model-name", model_name,
-                            "--prefix", prefix, *(worker_args or [])]
+                            "--prefix", prefix, "--metrics-port", "0", "--calibrate", "off",
+                            *(worker_args or [])]
         self.server = RedisServer()
         self.worker: subprocess.Popen[bytes] | None = None
 

@@ -96,6 +96,10 @@ class ErrorCode(str, Enum):
     QUEUE_FULL = "queue_full"
     """Refused at submit: the lane's queue is at its bound (see ADMIT_SCRIPT). Never
     written by workers into a result; the client raises it to its caller."""
+    DUPLICATE_REQUEST_ID = "duplicate_request_id"
+    """The request id belongs to another job still queued, running, or with a live result.
+    Refused at submit by ADMIT_SCRIPT; an entry added past it (plain XADD) is not run and
+    goes to the dead-letter stream with this reason, and the first job keeps the id."""
 
 
 class ProtocolError(Exception):
@@ -185,30 +189,79 @@ class Keys:
         prefix = f"{self._base}:reply:"
         return key.startswith(prefix) and bool(_NAME_RE.match(key[len(prefix):]))
 
+    def owner(self, request_id: str) -> str:
+        """String key naming the stream entry id of the job that owns ``request_id``, for
+        as long as that job is queued or its result lives (see NOTE [ Request id owners ])."""
+        return f"{self._base}:owner:{request_id}"
+
     def limits(self) -> str:
         """Hash of queue bounds: field = lane name, value = most entries its stream may
         hold for a new job to be admitted (absent: unbounded). See ADMIT_SCRIPT."""
         return f"{self._base}:limits"
 
+    def workers(self) -> str:
+        """Sorted set of the model's workers: member = consumer name, score = its last
+        heartbeat, Unix ms. Expires with the fleet (see WORKERS_TTL_MS)."""
+        return f"{self._base}:workers"
+
+    def worker(self, consumer: str) -> str:
+        """String key holding one worker's msgpack WorkerRecord; it lives WORKER_RECORD_TTL_MS
+        past the last heartbeat, so it exists only while the worker is alive."""
+        return f"{self._base}:worker:{consumer}"
+
+    def recent(self) -> str:
+        """List of the newest RECENT_MAX results' msgpack RecentResult records, newest first."""
+        return f"{self._base}:recent"
+
 
 # --------------------------------------------------------------------------- admission
 
 ADMIT_SCRIPT = """\
--- KEYS[1] = lane stream, KEYS[2] = limits hash; ARGV[1] = lane, ARGV[2..] = entry fields
+-- KEYS[1] = lane stream, KEYS[2] = limits hash, KEYS[3] = owner key of the request id
+-- ARGV[1] = lane, ARGV[2] = owner TTL in ms, ARGV[3..] = entry fields
 local bound = tonumber(redis.call('HGET', KEYS[2], ARGV[1]))
 if bound and redis.call('XLEN', KEYS[1]) >= bound then
   return redis.error_reply('QUEUE_FULL ' .. bound)
 end
-return redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return redis.error_reply('DUPLICATE_REQUEST_ID')
+end
+local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+redis.call('SET', KEYS[3], id, 'PX', ARGV[2])
+return id
 """
-"""Admission control: XADD a job only while its lane's stream holds fewer entries than
-the lane's bound in :meth:`Keys.limits`, atomically (one Lua script). Workers XDEL each
-entry when they answer it, so XLEN is exactly the jobs queued or in progress. Returns
-the entry id, or an error reply ``QUEUE_FULL <bound>``. Run it with EVALSHA; PROTOCOL.md
-holds the same text."""
+"""Admission: XADD a job only while its lane's stream holds fewer entries than the
+lane's bound in :meth:`Keys.limits`, and only if its request id is free; then record the
+new entry as the id's owner. One Lua script, so it is atomic. Workers XDEL each entry
+when they answer it, so XLEN is exactly the jobs queued or in progress. Returns the
+entry id, or an error reply ``QUEUE_FULL <bound>`` or ``DUPLICATE_REQUEST_ID``. Run it
+with EVALSHA; PROTOCOL.md holds the same text."""
+
+OWNER_TTL_PAD_MS = 600_000
+"""Added to a job's own time budget for its owner key's TTL at submit; a job with no
+deadline gets NO_DEADLINE_OWNER_TTL_MS. Workers set the TTL to the result's when they
+answer, so the id stays taken exactly as long as its result can be read."""
+NO_DEADLINE_OWNER_TTL_MS = 24 * 3600 * 1000
+
+# NOTE [ Request id owners ]
+#   A request id names exactly one job: its result key is the only place a client looks.
+#   ``Keys.owner(id)`` holds the stream entry id of the job that owns the id. The admission
+#   script refuses an id that has an owner, and sets it. Producers that XADD directly skip
+#   that check, so a worker also claims the id when it reads an entry (SET NX GET): an entry
+#   whose id is owned by a different entry is a duplicate and is dead-lettered without being
+#   run or answered, so it cannot overwrite or pre-empt the first job's result. A job taken
+#   over from a dead worker is the same entry, so it is not a duplicate.
+
+
+def owner_ttl_ms(budget_ms: int | None) -> int:
+    """TTL of a request id's owner key, set at submit."""
+    return NO_DEADLINE_OWNER_TTL_MS if budget_ms is None else max(0, budget_ms) + OWNER_TTL_PAD_MS
+
 
 QUEUE_FULL_REPLY = "QUEUE_FULL"
 """First word of the admission script's error reply when a lane is at its bound."""
+DUPLICATE_REPLY = "DUPLICATE_REQUEST_ID"
+"""The admission script's error reply when the request id already has an owner."""
 
 
 def parse_queue_bound(raw: bytes | str | None) -> int | None:
@@ -476,3 +529,105 @@ class ResultEnvelope:
         out.update(timings=dict(self.timings), batch_size=self.batch_size,
                    worker=self.worker, model=self.model)
         return out
+
+
+# --------------------------------------------------------------------------- fleet status
+# Written by workers for `redbatch status` / `top`; clients need none of it. Every key expires.
+
+HEARTBEAT_INTERVAL_S = 2.0
+"""How often a worker writes its WorkerRecord and its score in Keys.workers()."""
+WORKER_RECORD_TTL_MS = 3 * 2000
+"""A worker record outlives three missed heartbeats, then the worker counts as gone."""
+WORKERS_TTL_MS = 3600 * 1000
+"""Members of Keys.workers() not seen for this long are removed; the set itself expires
+this long after the last heartbeat of any worker."""
+RECENT_MAX = 4096
+"""Result records kept in Keys.recent() (LTRIM), enough for p99 over a minute of load."""
+RECENT_TTL_MS = 3600 * 1000
+"""Keys.recent() expires this long after the last result was written."""
+
+
+def job_stream_pattern(prefix: str) -> str:
+    """SCAN MATCH pattern for the job streams of every model under ``prefix``."""
+    return f"{validate_name(prefix, 'prefix')}:{{*}}:jobs:*"
+
+
+def parse_job_stream(prefix: str, key: str) -> tuple[str, Lane] | None:
+    """``(model, lane)`` of a job stream key, or None for any other key."""
+    m = re.fullmatch(rf"{re.escape(prefix)}:\{{([^{{}}]+)\}}:jobs:([a-z]+)", key)
+    if m is None or not _NAME_RE.match(m.group(1)):
+        return None
+    try:
+        return m.group(1), Lane(m.group(2))
+    except ValueError:
+        return None
+
+
+_WORKER_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "consumer": (str,), "host": (str,), "pid": (int,), "version": (str,), "device": (str,),
+    "max_batch_size": (int,), "started_ms": (int,), "last_seen_ms": (int,), "inflight": (int,),
+    "metrics_port": (int, type(None)),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRecord:
+    """What a live worker says about itself in its heartbeat (Keys.worker)."""
+
+    consumer: str
+    host: str
+    pid: int
+    version: str
+    device: str
+    max_batch_size: int
+    started_ms: int
+    """Worker's wall clock when it started serving, Unix ms."""
+    last_seen_ms: int
+    """Worker's wall clock at this heartbeat, Unix ms."""
+    inflight: int
+    """Jobs read and not yet answered."""
+    metrics_port: int | None = None
+    """Port of its /metrics endpoint, or None when it serves none."""
+
+    def encode(self) -> bytes:
+        return packb({name: getattr(self, name) for name in _WORKER_FIELD_TYPES})
+
+    @classmethod
+    def decode(cls, data: bytes) -> WorkerRecord:
+        body = unpackb(data, MAX_ENVELOPE_OVERHEAD_BYTES)
+        _check_fields(body, _WORKER_FIELD_TYPES)
+        return cls(**{name: body[name] for name in _WORKER_FIELD_TYPES})
+
+
+_RECENT_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "finished_ms": (int,), "lane": (str,), "outcome": (str,), "total_ms": (float, int, type(None)),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RecentResult:
+    """One written result, as Keys.recent() keeps it for throughput and latency figures."""
+
+    finished_ms: int
+    """Worker's wall clock when the result was written, Unix ms."""
+    lane: Lane
+    outcome: str
+    """``ok`` or the ErrorCode value."""
+    total_ms: float | None
+    """End-to-end time (the result's ``total_ms``); None for entries rejected unread."""
+
+    def encode(self) -> bytes:
+        return packb({"finished_ms": self.finished_ms, "lane": Lane(self.lane).value,
+                      "outcome": self.outcome, "total_ms": self.total_ms})
+
+    @classmethod
+    def decode(cls, data: bytes) -> RecentResult:
+        body = unpackb(data, MAX_ENVELOPE_OVERHEAD_BYTES)
+        _check_fields(body, _RECENT_FIELD_TYPES)
+        try:
+            lane = Lane(body["lane"])
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.BAD_ENVELOPE, str(e)) from e
+        total = body["total_ms"]
+        return cls(body["finished_ms"], lane, body["outcome"],
+                   None if total is None else float(total))

@@ -11,7 +11,13 @@ Semantics follow Triton's dynamic batcher:
   ``max_wait_s``, or when waiting any longer would make the earliest
   deadline unreachable given the expected run time of the batch;
 * requests whose deadline has already passed are taken out by
-  ``pop_expired`` and are never computed.
+  ``pop_expired`` and are never computed;
+* a batch may run padded up to a preferred size (measured faster by
+  calibration, see gpu_worker/profile.py) when that is expected to be no
+  slower than its own size (``run_size``).
+
+The expected run times come from a LatencyEstimator seeded with the
+calibration profile's latency per batch size and updated from each batch run.
 
 Times are seconds on one monotonic clock chosen by the caller.
 """
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -57,6 +63,12 @@ class LatencyEstimator:
     def __init__(self, smoothing: float = 0.2) -> None:
         self._smoothing = smoothing
         self._by_size: dict[int, float] = {}
+
+    def seed(self, seconds_by_size: Mapping[int, float]) -> None:
+        """Start from measured times (a calibration profile's latency per batch size), so
+        the deadline and wait rules use real figures from the first request on; later
+        observations move them as usual."""
+        self._by_size.update({int(k): float(v) for k, v in seconds_by_size.items() if k > 0})
 
     def observe(self, size: int, seconds: float) -> None:
         old = self._by_size.get(size)
@@ -125,15 +137,24 @@ class Batcher(Generic[T]):
 
     def __init__(self, max_batch_size: int, max_wait_s: float,
                  run_time: RunTimeModel = no_run_time,
-                 lanes: LanePolicy | None = None) -> None:
+                 lanes: LanePolicy | None = None,
+                 preferred_sizes: Sequence[int] = (),
+                 always_round_up: bool = False) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         if max_wait_s < 0:
             raise ValueError("max_wait_s must be >= 0")
+        #: The configured largest batch; ``max_batch_size`` is the current limit (set_limit).
+        self.configured_max = max_batch_size
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.run_time = run_time
         self.lanes = lanes or LanePolicy(bulk_max_wait_s=max_wait_s)
+        #: Sizes a batch may run at, padded, when that is expected to be no slower.
+        self.preferred_sizes = tuple(sorted(set(preferred_sizes)))
+        #: Round up whenever a preferred size holds the batch (compiled models: one graph
+        #: per size), not only when it is expected to be faster.
+        self.always_round_up = always_round_up
         self._interactive: deque[T] = deque()
         self._bulk: deque[T] = deque()
         self._reserve = max(1, math.ceil(self.lanes.bulk_share * max_batch_size))
@@ -142,6 +163,22 @@ class Batcher(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._interactive) + len(self._bulk)
+
+    def set_limit(self, n: int) -> None:
+        """Cap batches at ``n`` (at least 1, at most the configured max), e.g. while the
+        device is short of memory; raising it back never passes the configured max."""
+        self.max_batch_size = max(1, min(n, self.configured_max))
+        self._reserve = max(1, math.ceil(self.lanes.bulk_share * self.max_batch_size))
+
+    def run_size(self, n: int) -> int:
+        """The size a batch of ``n`` requests runs at: the smallest preferred size that
+        holds it, when ``run_time`` expects that size to be no slower than ``n`` itself
+        (the caller pads the batch); else ``n``."""
+        for size in self.preferred_sizes:
+            if n <= size <= self.max_batch_size:
+                faster = self.run_time(size) <= self.run_time(n)
+                return size if faster or self.always_round_up else n
+        return n
 
     def add(self, item: T) -> None:
         if item.bulk:
@@ -167,7 +204,8 @@ class Batcher(Generic[T]):
         release = min(waits)
         deadline = self._earliest_deadline()
         if deadline is not None:
-            release = min(release, deadline - self.run_time(min(len(self), self.max_batch_size)))
+            n = min(len(self), self.max_batch_size)
+            release = min(release, deadline - self.run_time(self.run_size(n)))
         return release
 
     def _bulk_cap(self, now: float) -> int:

@@ -26,6 +26,7 @@ from redbatch.common.protocol import (
     Keys,
     Lane,
     ProtocolError,
+    owner_ttl_ms,
     valid_request_id,
 )
 from redbatch.common.redis_io import StreamEntry, normalise_xread
@@ -136,6 +137,20 @@ class Intake:
              block_ms: int) -> tuple[list[Job], list[BadEntry]]:
         """Up to ``count`` entries, at most ``bulk_count`` of them from the bulk lane (own
         pending entries first, whatever their lane), validated."""
+        try:
+            return self._read(count, bulk_count, block_ms)
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            # Redis came back without its data (no persistence): the streams and the group
+            # are gone, and so is every queued job; serve what producers add from now on.
+            logger.error("the consumer group is gone (did Redis restart without "
+                         "persistence?); creating it again")
+            self.ensure_groups()
+            return [], []
+
+    def _read(self, count: int, bulk_count: int,
+              block_ms: int) -> tuple[list[Job], list[BadEntry]]:
         self.reclaimer.renew()
         # Entries delivered before (our own pending ones, or taken over) may be poison.
         entries = self._read_pending(count) if self.recovering else []
@@ -150,14 +165,45 @@ class Intake:
         jobs: list[Job] = []
         bad: list[BadEntry] = []
         for (stream, entry), delivered in zip(entries, deliveries, strict=True):
-            self.reclaimer.leases.hold(stream, entry[0])
             item = self._decode(stream, entry, now_ms, delivered)
             if isinstance(item, Job):
                 item.taken_over = taken_over
                 jobs.append(item)
             else:
                 bad.append(item)
+        jobs, bad = self._drop_duplicates(jobs, bad)
+        # Only now, with nothing left to fail, are the entries ours to renew. Had a call
+        # above failed (Redis went away), they would stay pending without a lease and be
+        # taken over once idle, by this worker or another, instead of renewed forever.
+        for stream, (entry_id, _) in entries:
+            self.reclaimer.leases.hold(stream, entry_id)
         return jobs, bad
+
+    def _drop_duplicates(self, jobs: list[Job],
+                         bad: list[BadEntry]) -> tuple[list[Job], list[BadEntry]]:
+        """Claim each request id for its entry; entries whose id another entry owns are
+        dead-lettered unanswered (see NOTE [ Request id owners ] in protocol.py)."""
+        claims: list[Job | BadEntry] = [*jobs, *(b for b in bad if b.request_id is not None)]
+        if not claims:
+            return jobs, bad
+        pipe = self._redis.pipeline(transaction=False)
+        for item in claims:
+            budget = item.envelope.budget_ms if isinstance(item, Job) else 0
+            assert item.request_id is not None
+            pipe.set(self.keys.owner(item.request_id), item.entry_id, nx=True, get=True,
+                     px=owner_ttl_ms(budget))
+        duplicates: set[int] = set()
+        # An owner key of the wrong type (written by hand) answers with an error: the id is
+        # then taken as free rather than letting one odd key wedge the job.
+        for item, owner in zip(claims, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(owner, bytes) and owner != item.entry_id:
+                duplicates.add(id(item))
+                bad.append(_duplicate(item, owner))
+        if duplicates:
+            bad = [b for b in bad if id(b) not in duplicates]
+            logger.warning("dead-lettered %d entries whose request id belongs to another job",
+                           len(duplicates))
+        return [j for j in jobs if id(j) not in duplicates], bad
 
     def _xreadgroup(self, streams: dict[str, bytes | str], count: int,
                     block_ms: int | None) -> list[tuple[str, StreamEntry]]:
@@ -220,6 +266,15 @@ class Intake:
             return BadEntry(stream, entry_id, env.request_id, ErrorCode.BAD_ENVELOPE,
                             f"reply_to {env.reply_to[:100]!r} is not a reply key of this model")
         return _job(env, stream, entry_id, now_ms)
+
+
+def _duplicate(item: Job | BadEntry, owner: bytes) -> BadEntry:
+    # No request id on purpose: answering it would write the first job's result key.
+    fields = item.fields if isinstance(item, BadEntry) else \
+        {name.encode(): value for name, value in item.envelope.encode().items()}
+    return BadEntry(item.stream, item.entry_id, None, ErrorCode.DUPLICATE_REQUEST_ID,
+                    f"request id {item.request_id!r} belongs to entry {owner.decode()} "
+                    f"of {item.stream}", dead_letter=True, fields=fields)
 
 
 def _entry_ms(entry_id: bytes) -> int:

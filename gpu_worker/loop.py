@@ -12,8 +12,15 @@ NOTE [ Worker threads ]
 
   Only the main loop touches the batcher, the slot allocator, the pool's
   bookkeeping and the answers; the threads hand it events through one queue,
-  so there are no locks around state. The model thread runs one batch at a
-  time; while it runs, the main loop keeps reading and the next batch grows.
+  so there are no locks around state. The model thread submits a batch and
+  the collect thread waits for its outputs (NOTE [ Device path ] in
+  gpu_worker/model.py): on CUDA two batches are in flight, so the next batch's
+  copy to the device overlaps this one's compute; on CPU one per lane, each
+  lane running its forward pass on a thread of its own. While the model is
+  busy, the main loop keeps reading and the next batch grows.
+  Two more threads never touch that state: the sampler (gpu_worker/sampler.py)
+  puts what Redis holds into gauges, and the metrics server answers HTTP from
+  the metrics and from ``Health``, which the main loop marks on every step.
 
 NOTE [ Worker shutdown ]
   1. First SIGTERM/SIGINT (``stop``): intake stops reading; the main loop
@@ -29,6 +36,7 @@ NOTE [ Worker shutdown ]
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -36,16 +44,20 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
+from redbatch import __version__
 from redbatch.common import malloc_tuning
 from redbatch.common.config import Settings
+from redbatch.common.metrics import Health, MetricsServer, WorkerMetrics
 from redbatch.common.protocol import ErrorCode, Keys, Lane
 from redbatch.common.redis_io import REDIS_ERRORS, Backoff, RedisUnavailable, connect
 from redbatch.gpu_worker.batcher import Batcher, LanePolicy, LatencyEstimator
 from redbatch.gpu_worker.capacity import Capacity
 from redbatch.gpu_worker.handlers import Handler, load_handler
+from redbatch.gpu_worker.heartbeat import Heartbeat
 from redbatch.gpu_worker.intake import BadEntry, Intake, Job
 from redbatch.gpu_worker.model import DeviceFailure, Outcome
 from redbatch.gpu_worker.results import Answer, ResultWriter
+from redbatch.gpu_worker.sampler import Sampler
 from redbatch.preproc_worker.pool import PreprocPool
 from redbatch.preproc_worker.shm import SlotAllocator, SlotArray
 from redbatch.preproc_worker.worker import PreprocDone
@@ -54,6 +66,8 @@ logger = logging.getLogger(__name__)
 
 #: Longest the main loop sleeps without an event, seconds (bounds reaping and shutdown checks).
 MAX_IDLE_WAIT_S = 0.2
+#: How often the main loop copies its in-flight counts into metric gauges, seconds.
+GAUGES_EVERY_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +82,8 @@ class _Ran:
     outcomes: list[Outcome]
     inference_ms: float
     batch_wait_ms: list[float]
+    #: The size it ran at (padded up to a preferred size), for the latency estimator.
+    run_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,16 +103,20 @@ class Worker:
         self.keys = Keys(settings.model.served_name, settings.redis.prefix)
         self.batch_sizes: Counter[int] = Counter()
         self._events: queue.Queue[Any] = queue.Queue()
-        # Unbounded, but the main loop launches one batch at a time (_model_busy).
-        self._batches: queue.SimpleQueue[tuple[list[Job], list[float]] | None] = \
+        # Unbounded, but the main loop launches at most _model_depth batches (_model_busy).
+        self._batches: queue.SimpleQueue[tuple[list[Job], list[float], int] | None] = \
             queue.SimpleQueue()
+        self._collecting: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._abort = threading.Event()
         self._ready = threading.Event()
         self._answers: list[Answer] = []
         self._pending: dict[int, Job] = {}  # pool task key -> job
         self._suspects: deque[Job] = deque()  # jobs delivered before: each runs alone
-        self._model_busy = False
+        self._in_model = 0  # batches launched and not yet _Ran
+        self._alone = False  # a suspect job is in the model
+        self._model_depth = 1  # batches in flight at once: the runner's depth (CUDA, CPU lanes)
+        self._launched_at = 0.0
         self._retry_at = 0.0
         self._write_backoff = Backoff()
         self._stop_deadline: float | None = None
@@ -115,15 +135,24 @@ class Worker:
         self.pool: PreprocPool | None = None
         self.slots: SlotArray | None = None
         self.runner: Any = None
+        self.tuned: Any = None
+        self.heartbeat: Heartbeat | None = None
+        self.metrics = WorkerMetrics(self.keys.model, b.max_batch_size)
+        self.health = Health()
+        self._metrics_server = MetricsServer(self.metrics, self.health)
+        self._lane_of = {self.keys.stream(lane): lane.value for lane in Lane}
+        self._gauges_at = 0.0
 
     # ------------------------------------------------------------------ control
 
     def stop(self) -> None:
         """Graceful: stop reading, finish in-flight work, exit. Safe from a signal handler."""
+        self.health.stopping = True
         self._stop.set()
 
     def abort(self) -> None:
         """Leave at once; unanswered jobs stay pending in Redis."""
+        self.health.stopping = True
         self._stop.set()
         self._abort.set()
 
@@ -142,10 +171,16 @@ class Worker:
             self.teardown()
 
     def setup(self) -> None:
-        """Pool first (its processes start while the model loads), then model, then Redis."""
+        """Model and its tuning first (the profile may change the batch sizes, and so the
+        slots), then the pool (its processes start while the model warms up), then Redis."""
         s = self.settings
         logger.info("starting worker %s for model %s: %r", s.consumer, self.keys.model, s)
+        metrics_on = False
+        if s.metrics_port:  # first, so /healthz answers while the model loads
+            metrics_on = self._metrics_server.start(s.metrics_host, s.metrics_port)
         handler = load_handler(s.model.spec, s.limits)
+        self._tune(handler)  # before the pool: the profile may change the batch sizes
+        s = self.settings
         self._start_pool(handler)
         self._load_model(handler)
         self.intake = Intake(connect(s.redis), self.keys, s.consumer, s.limits.max_payload_bytes,
@@ -153,6 +188,14 @@ class Worker:
         self._wait_for_redis()
         self.writer = ResultWriter(connect(s.redis), self.keys, s.consumer, s.result_ttl_s)
         self._start_threads()
+        # Jobs holding a slot are the ones read and not yet answered (capacity also counts
+        # the permits intake holds while it waits for jobs). A len() read from the heartbeat
+        # thread; only the main loop changes it.
+        self.heartbeat = Heartbeat.for_worker(
+            connect(s.redis), self.keys, s.consumer, str(self.runner.device),
+            s.batch.max_batch_size, lambda: self.allocator.in_use,
+            self._metrics_server.port if metrics_on else None)
+        self.heartbeat.start()
         self._ready.set()
 
     def _wait_for_redis(self) -> None:
@@ -176,31 +219,64 @@ class Worker:
         self.pool = PreprocPool(s.model.spec, s.limits, s.pool, self.slots.layout)
         self.pool.start(on_done=self._events.put)
 
+    def _tune(self, handler: Handler) -> None:
+        """Threads, device, model and calibration profile (gpu_worker/tuning.py); the
+        batching pieces that depend on the max batch are rebuilt from the result."""
+        from redbatch.gpu_worker.tuning import tune
+
+        self.tuned = tune(self.settings, handler)
+        for note in self.tuned.notes:
+            logger.info("tuning: %s", note)
+        s = self.settings = self.tuned.settings
+        b = s.batch
+        self.capacity = Capacity(b.max_inflight, b.max_inflight - b.interactive_reserve)
+        self.batcher = Batcher(b.max_batch_size, b.max_wait_ms / 1000, self.latency,
+                               self.batcher.lanes, self.tuned.preferred_sizes,
+                               self.tuned.always_round_up)
+        self.metrics.max_batch_size = b.max_batch_size
+        self.latency.seed(self.tuned.latency_s)
+
     def _load_model(self, handler: Handler) -> None:
         import torch
-        from redbatch.gpu_worker.model import ModelRunner, choose_torch_threads, resolve_device
+        from redbatch.gpu_worker.model import ModelRunner
+        from redbatch.gpu_worker.tuning import warmup_sizes
 
-        s = self.settings
+        s, tuned = self.settings, self.tuned
         assert self.slots is not None
-        torch.set_num_threads(choose_torch_threads(s.model.torch_threads, s.pool.processes))
-        device = resolve_device(s.model.device)
-        self.runner = ModelRunner(handler, device, self.slots.array, s.batch.max_batch_size)
-        for size, seconds in self.runner.warmup([1, s.batch.max_batch_size]).items():
-            self.latency.observe(size, seconds)
+        device = tuned.device
+        self.runner = ModelRunner(handler, device, self.slots.array, s.batch.max_batch_size,
+                                  tuned.variant, model=tuned.model,
+                                  memory_watermark=s.tune.memory_watermark, lanes=tuned.lanes)
+        self._model_depth = self.runner.depth
+        sizes = warmup_sizes(s.batch.max_batch_size, tuned.preferred_sizes, self.runner.pipelined)
+        for size, seconds in self.runner.warmup(sizes).items():
+            if size not in tuned.latency_s:  # measured times from the profile are better
+                self.latency.observe(size, seconds)
+        self.metrics.started(s.consumer, __version__, str(device), s.pool.processes,
+                             s.batch.max_inflight)
+        self.health.model_loaded = True
         logger.info("model ready: device=%s torch_threads=%d pool=%d max_batch=%d "
-                    "max_wait_ms=%g", device, torch.get_num_threads(), s.pool.processes,
-                    s.batch.max_batch_size, s.batch.max_wait_ms)
+                    "max_wait_ms=%g variant=%s preferred_batch_sizes=%s", device,
+                    torch.get_num_threads(), s.pool.processes, s.batch.max_batch_size,
+                    s.batch.max_wait_ms, tuned.variant.name, list(tuned.preferred_sizes))
         if device.type == "cpu":
-            logger.info("%s", malloc_tuning.describe())
+            logger.info("cpu path: %d batches at once on %d torch threads each, %d cores, "
+                        "beside %d preprocessing processes; %s memory format; %s",
+                        self.runner.depth, torch.get_num_threads(), os.cpu_count() or 1,
+                        s.pool.processes, "channels_last" if s.model.channels_last else "NCHW",
+                        malloc_tuning.describe())
 
     def _start_threads(self) -> None:
-        for name, target in (("intake", self._intake_loop), ("model", self._model_loop)):
+        for name, target in (("intake", self._intake_loop), ("model", self._model_loop),
+                             ("collect", self._collect_loop), ("sampler", self._sampler_loop)):
             thread = threading.Thread(target=target, name=f"redbatch-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
 
     def teardown(self) -> None:
         self._stop.set()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self._threads:
             self._batches.put(None)
             for thread in self._threads:
@@ -213,6 +289,7 @@ class Worker:
             self.slots.close()
         if self.batch_sizes:
             logger.info("batch sizes: %s", dict(sorted(self.batch_sizes.items())))
+        self._metrics_server.close()
         logger.info("worker %s stopped", self.settings.consumer)
 
     def _finished(self) -> bool:
@@ -232,6 +309,7 @@ class Worker:
 
     def step(self) -> None:
         """Handle what arrived, answer expired jobs, launch a batch if due, write answers."""
+        self.health.stepped()
         self._handle_events(self._wait_s(time.monotonic()))
         assert self.pool is not None
         for record in self.pool.reap():
@@ -242,12 +320,27 @@ class Worker:
                                                     "before the job could run"))
         if not self._model_busy:
             self._launch(self._next_suspect() or self.batcher.pop_ready(now), now)
+        elif now - self._launched_at > self.settings.batch_timeout_s:
+            # A hung CUDA call cannot be interrupted from Python; only a new process helps.
+            self._handle(_DeviceLost(f"a batch has run for over {self.settings.batch_timeout_s:g}"
+                                     " s; the device or model looks hung"))
         self._flush()
+        self._update_gauges(now)
+
+    def _update_gauges(self, now: float) -> None:
+        if now - self._gauges_at < GAUGES_EVERY_S:
+            return
+        self._gauges_at = now
+        assert self.pool is not None
+        # Leases, not capacity: intake holds free permits while it waits for jobs.
+        self.metrics.loop_state(len(self.intake.reclaimer.leases), self.allocator.in_use,
+                                self.pool.busy)
 
     def _next_suspect(self) -> list[Job]:
         if not self._suspects:
             return []
         job = self._suspects.popleft()
+        self._alone = True  # nothing else in the model with it (see _model_busy)
         try:
             self.intake.reclaimer.charge(job.stream, job.entry_id)
         except REDIS_ERRORS:
@@ -332,15 +425,26 @@ class Worker:
     def _launch(self, batch: list[Job], now: float) -> None:
         if not batch:
             return
-        self._model_busy = True
-        self._batches.put((batch, [(now - job.ready_s) * 1000 for job in batch]))
+        self._in_model += 1
+        self._launched_at = now
+        self._batches.put((batch, [(now - job.ready_s) * 1000 for job in batch],
+                           self.batcher.run_size(len(batch))))
+
+    @property
+    def _model_busy(self) -> bool:
+        # A suspect runs alone: it may take the whole process down with it.
+        depth = 1 if self._suspects or self._alone else self._model_depth
+        return self._in_model >= depth
 
     def _on_ran(self, event: _Ran) -> None:
-        self._model_busy = False
+        self._in_model -= 1
+        self._alone = False
         n = len(event.batch)
         self.batch_sizes[n] += 1
+        self.metrics.batch(n, event.inference_ms / 1000)
         if all(o.error is None for o in event.outcomes):
-            self.latency.observe(n, event.inference_ms / 1000)
+            self.latency.observe(event.run_size or n, event.inference_ms / 1000)
+        self.batcher.set_limit(self.runner.batch_limit)  # lowered when device memory is short
         for job, outcome, wait_ms in zip(event.batch, event.outcomes, event.batch_wait_ms,
                                          strict=True):
             if outcome.error is not None:
@@ -364,6 +468,9 @@ class Worker:
             if answer.slot >= 0:
                 self.allocator.release(answer.slot)
             self.intake.reclaimer.leases.release(answer.stream, answer.entry_id)
+            # Counted once written: a result that failed to write is retried, not lost.
+            self.metrics.answered(self._lane_of[answer.stream], answer.outcome, answer.timings,
+                                  dead_lettered=answer.dead_letter is not None)
         self.capacity.give_back(len(self._answers),
                                 bulk=sum(a.lane is Lane.BULK for a in self._answers))
         self._answers = []
@@ -391,6 +498,7 @@ class Worker:
                 self._stop.wait(backoff.next_wait_s())
                 continue
             backoff.reset()
+            self.metrics.reclaimed(sum(job.taken_over for job in jobs))
             self.capacity.took_bulk(sum(job.bulk for job in jobs))
             self.capacity.give_back(n - len(jobs) - len(bad))
             if jobs or bad:
@@ -399,14 +507,26 @@ class Worker:
                 self._events.put(_Idle())
 
     def _model_loop(self) -> None:
+        """Submit each batch (on CUDA this returns before it has run)."""
         while (item := self._batches.get()) is not None:
-            batch, waits = item
-            start = time.perf_counter()
+            batch, waits, size = item
+            job = self.runner.submit([j.slot for j in batch], [j.envelope.params for j in batch],
+                                     size)
+            self._collecting.put((batch, waits, job))
+        self._collecting.put(None)
+
+    def _collect_loop(self) -> None:
+        """Wait for each submitted batch in order, postprocess, hand the outcomes over."""
+        while (item := self._collecting.get()) is not None:
+            batch, waits, job = item
             try:
-                outcomes = self.runner.run_isolating([j.slot for j in batch],
-                                                     [j.envelope.params for j in batch])
+                outcomes = self.runner.collect(job)
             except DeviceFailure as e:
                 self._events.put(_DeviceLost(str(e)))
                 return
-            elapsed_ms = (time.perf_counter() - start) * 1000
-            self._events.put(_Ran(batch, outcomes, elapsed_ms, waits))
+            self._events.put(_Ran(batch, outcomes, job.run_s * 1000, waits, job.size))
+
+    def _sampler_loop(self) -> None:
+        s = self.settings
+        Sampler(connect(s.redis), self.keys, self.metrics, self.health,
+                str(self.runner.device)).run(self._stop)

@@ -1,27 +1,54 @@
 """The device path: load the model once, run batches gathered from shared-memory slots.
 
-The same code runs on CPU and CUDA. On CUDA the batch is gathered into a
-pinned host buffer, copied with ``non_blocking=True`` on a dedicated stream
-and run there; on CPU the gather buffer is an ordinary tensor and the copy
-is a no-op. Never imports redis: results go back to the caller as values.
+NOTE [ Device path ]
+
+    slots (shared memory) --index_select--> host buffer A|B (pinned on CUDA)
+        --copy stream, non_blocking--> device input --(event)--> compute stream:
+        model(input) [channels_last, autocast] --non_blocking--> pinned output --(event)
+
+  ``submit`` gathers a batch into one of two host buffers, in turn, and on
+  CUDA only enqueues work: the copy on its own stream, the forward pass on the
+  compute stream once the copy's event fired, and the copy of the outputs back
+  into pinned memory. It returns at once, so the next batch is gathered and
+  its copy overlaps this batch's compute. ``collect`` waits for the batch's
+  own event only, then postprocesses. Before a host buffer is written again,
+  the copy that last read it must be done (its event): the two buffers let a
+  batch be gathered while the previous one is still being copied.
+  On CPU the same calls reduce to the plain path: no streams, events or
+  pinning. With one lane ``submit`` runs the forward pass and ``collect``
+  postprocesses; with two or more (the default on multi-core CPUs, see
+  ``cpu_lanes``), ``submit`` hands the forward pass to a lane thread of its
+  own and returns, so that many batches run at once, each on its share of the
+  cores; a host buffer is reused only once the forward pass that read it is done.
+
+The runner is used by one launching thread and one collecting thread; the
+retries of a failing batch (``collect``) go through ``submit`` too, so
+submitting holds a lock. Never imports redis: results go back as values.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from redbatch.common.protocol import ErrorCode
 from redbatch.gpu_worker.handlers import Handler
+from redbatch.gpu_worker.profile import Variant
 
 logger = logging.getLogger(__name__)
+
+#: CUDA: share of device memory kept free; the batch limit is lowered before it is reached.
+DEFAULT_MEMORY_WATERMARK = 0.1
+AUTOCAST_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -37,11 +64,31 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
-def choose_torch_threads(requested: int, pool_processes: int) -> int:
-    """Intra-op threads: what was asked, else the cores the pool leaves free (at least 1)."""
+def cpu_lanes(requested: int) -> int:
+    """Batches a CPU worker runs at once: what was asked, else 2 with 2 cores or more.
+
+    The model is nearly all the work on CPU (EfficientNet-Lite0 here: about 17 core-ms per
+    photo against 4.5 of decoding), so every core should run it. One forward pass on all
+    cores synchronises its threads hundreds of times, and stalls whenever another process
+    (a pool process decoding, a neighbour) takes one of them: measured on 2 cores, batch 8,
+    2 threads gave 93 img/s alone but 29 beside one busy process. Two batches at once, each
+    on half the cores, gave 79-91 alone and 60-63 beside it; one thread 54 and 47.
+    """
     if requested > 0:
         return requested
-    return max(1, (os.cpu_count() or 1) - pool_processes)
+    return 2 if (os.cpu_count() or 1) >= 2 else 1
+
+
+def choose_torch_threads(requested: int, pool_processes: int, device_type: str = "cpu",
+                         lanes: int = 1) -> int:
+    """Intra-op threads: what was asked; else on CPU each lane's share of the cores, on CUDA
+    the cores the pool leaves free (at least 1)."""
+    if requested > 0:
+        return requested
+    cores = os.cpu_count() or 1
+    if device_type == "cpu":
+        return max(1, cores // max(lanes, 1))
+    return max(1, cores - pool_processes)
 
 
 class BatchSizeMismatch(RuntimeError):
@@ -68,83 +115,335 @@ def _is_device_fatal(e: Exception) -> bool:
         and ("CUDA error" in text or "device-side assert" in text)
 
 
+def prepare_model(model: Callable[[torch.Tensor], torch.Tensor], variant: Variant,
+                  device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Eval mode and the variant's memory format (modules only; other callables as they
+    are), then torch.compile when asked. Changes a module in place."""
+    if isinstance(model, torch.nn.Module):
+        model.eval()
+        model.to(memory_format=torch.channels_last if variant.channels_last  # type: ignore[call-overload]
+                 else torch.contiguous_format)
+    if variant.compile:
+        import torch._dynamo.config as dynamo_config
+        import torch._inductor.config as inductor_config
+
+        # Weights become constants of the graph: inference only, and much faster on CPU.
+        inductor_config.freezing = True
+        # One graph per batch size: allow as many as calibration measures (default 8, past
+        # which torch silently falls back to eager).
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
+        return torch.compile(model, dynamic=False)
+    return model
+
+
+def next_batch_limit(limit: int, max_batch_size: int, headroom_bytes: int,
+                     watermark_bytes: int, bytes_per_item: int) -> int:
+    """The batch limit after a batch, from the device memory still available
+    (``headroom_bytes``: free in the driver plus cached by torch and unused).
+
+    Below the watermark, halve it (at least 1); with room for the watermark plus twice
+    the current limit's activations, double it back towards ``max_batch_size``.
+    """
+    if headroom_bytes < watermark_bytes:
+        return max(1, limit // 2)
+    if limit < max_batch_size and \
+            headroom_bytes > watermark_bytes + 2 * limit * max(bytes_per_item, 1):
+        return min(max_batch_size, limit * 2)
+    return limit
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A submitted batch: its outputs are ready once ``done`` fired (CUDA) or at once (CPU)."""
+
+    slot_ids: Sequence[int]
+    params: Sequence[Mapping[str, Any]]
+    size: int
+    outputs: torch.Tensor | None = None
+    error: Exception | None = None
+    done: Any = None  # torch.cuda.Event on CUDA, _LaneDone with CPU lanes
+    timing: tuple[Any, Any] | None = None  # CUDA start and end events of the forward pass
+    compute_s: float = 0.0
+    #: Seconds the batch took, for the latency estimator: on CUDA its forward pass on the
+    #: device, on CPU from submit to outcomes (postprocessing included).
+    run_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+
 class ModelRunner:
-    """Runs ``handler``'s model on batches of slot indices; used from one thread."""
+    """Runs ``handler``'s model on batches of slot indices (see NOTE [ Device path ])."""
 
     def __init__(self, handler: Handler, device: torch.device, slots: np.ndarray,
-                 max_batch_size: int) -> None:
+                 max_batch_size: int, variant: Variant | None = None, *,
+                 model: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 memory_watermark: float = DEFAULT_MEMORY_WATERMARK,
+                 host_buffers: list[torch.Tensor] | None = None, lanes: int = 1) -> None:
         self.handler = handler
         self.device = device
         self.max_batch_size = max_batch_size
+        self.variant = variant or Variant()
+        #: Largest batch to submit now; lowered under memory pressure (CUDA).
+        self.batch_limit = max_batch_size
         self._slots = torch.from_numpy(slots)  # shares the shared-memory pages
-        cuda = device.type == "cuda"
-        self._host = torch.empty((max_batch_size, *slots.shape[1:]),
-                                 dtype=self._slots.dtype, pin_memory=cuda)
-        self._stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
-        self._model = handler.load(device)
+        cuda = self._cuda = device.type == "cuda"
+        #: Batches that may be in flight at once: 2 on CUDA (copy beside compute), the lanes
+        #: on CPU.
+        self.depth = 2 if cuda else max(1, lanes)
+        self._lanes = ThreadPoolExecutor(self.depth, thread_name_prefix="redbatch-lane") \
+            if not cuda and self.depth > 1 else None
+        # Calibration's runners share buffers: they wait for each batch before the next.
+        self._host = host_buffers or [
+            torch.empty((max_batch_size, *slots.shape[1:]), dtype=self._slots.dtype,
+                        pin_memory=cuda) for _ in range(max(2, self.depth))]
+        # What must be done before a buffer is written again: the copy (CUDA) or the forward
+        # pass (CPU lanes) that last read it.
+        self._host_free: list[Any] = [None] * len(self._host)
+        self._turn = 0
+        self._lock = threading.Lock()
+        self._copy_stream: Any = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
+        self._compute_stream: Any = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
         if cuda:
             torch.backends.cudnn.benchmark = True
+        self._autocast = AUTOCAST_DTYPES.get(self.variant.autocast or "")
+        loaded = model if model is not None else handler.load(device)
+        self._model = prepare_model(loaded, self.variant, device)
+        self._watermark_bytes = int(memory_watermark * _total_memory(device))
+        self._bytes_per_item = 0
+        self._base_bytes = 0
+
+    @property
+    def pipelined(self) -> bool:
+        """True on CUDA: submit enqueues the copy and the forward pass and returns."""
+        return self._cuda
+
+    # ------------------------------------------------------------------ warm-up
 
     def warmup(self, sizes: Sequence[int]) -> dict[int, float]:
-        """Run each batch size twice so first requests don't pay for lazy init; returns the
-        second (warm) run time of each size in seconds, the batcher's first estimates."""
+        """Run each batch size twice so first requests don't pay for lazy init (and, on
+        CUDA, cuDNN's per-shape benchmarking); returns the second (warm) run time of each
+        size in seconds. On CUDA also learns the activation memory per item."""
         timings = {}
-        for size in sorted(set(sizes)):
-            batch = torch.zeros((size, *self._host.shape[1:]), dtype=self._host.dtype)
-            self._forward(batch)
+        for size in sorted({min(s, self.max_batch_size) for s in sizes}):
+            ids = list(range(min(size, len(self._slots))))
+            pad = size if size > len(ids) else None
+            self.run(ids, [{}] * len(ids), pad)  # a model failing here fails the start
             start = time.perf_counter()
-            self._forward(batch)
+            self._peak_reset()
+            self.run(ids, [{}] * len(ids), pad)
             timings[size] = time.perf_counter() - start
+            self._learn_memory(size)
             logger.info("warm-up batch %d: %.1f ms", size, timings[size] * 1000)
         return timings
 
-    def _forward(self, host_batch: torch.Tensor) -> torch.Tensor:
-        context = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
-        with torch.inference_mode(), context:
-            inputs = host_batch.to(self.device, non_blocking=True)
-            outputs = self._model(inputs)
-            # .cpu() waits for this stream only; the host buffer may be reused after it.
-            return outputs.cpu()
+    def _peak_reset(self) -> None:
+        if self.pipelined:
+            torch.cuda.synchronize(self.device)
+            self._base_bytes = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
 
-    def run(self, slot_ids: Sequence[int],
-            params: Sequence[Mapping[str, Any]]) -> list[Outcome]:
-        """One outcome per slot, in order; outputs holding NaN or infinity are flagged.
+    def _learn_memory(self, size: int) -> None:
+        if self.pipelined:
+            peak = torch.cuda.max_memory_allocated(self.device) - self._base_bytes
+            self._bytes_per_item = max(self._bytes_per_item, peak // max(size, 1))
 
-        Raises whatever the model raises, and BatchSizeMismatch when the
-        handler returns a different number of outputs than inputs.
-        """
+    # ------------------------------------------------------------------ one batch
+
+    def submit(self, slot_ids: Sequence[int], params: Sequence[Mapping[str, Any]],
+               pad_to: int | None = None) -> InFlight:
+        """Gather the slots and start the batch; never raises for a model error (it is
+        kept in the returned InFlight for ``collect``). ``pad_to`` rounds the batch up to
+        that size with copies of its first input; only the real rows come back."""
+        size = max(len(slot_ids), pad_to or 0)
+        job = InFlight(slot_ids, params, size)
+        try:
+            if size > self.max_batch_size:
+                raise ValueError(f"batch of {size} over the max batch size "
+                                 f"{self.max_batch_size}")
+            with self._lock:
+                host, turn = self._gather(slot_ids, size)
+                if self._cuda:
+                    self._enqueue(job, host, turn)
+                elif self._lanes is not None:
+                    job.done = self._host_free[turn] = \
+                        _LaneDone(self._lanes.submit(self._run_now, job, host))
+                else:
+                    self._run_now(job, host)
+        except Exception as e:
+            job.error = e
+        return job
+
+    def _gather(self, slot_ids: Sequence[int], size: int) -> tuple[torch.Tensor, int]:
+        turn, self._turn = self._turn, (self._turn + 1) % len(self._host)
+        if self._host_free[turn] is not None:
+            self._host_free[turn].synchronize()
+        host = self._host[turn]
         n = len(slot_ids)
-        index = torch.as_tensor(slot_ids, dtype=torch.long)
-        batch = torch.index_select(self._slots, 0, index, out=self._host[:n])
-        raw = self._forward(batch)
+        torch.index_select(self._slots, 0, torch.as_tensor(slot_ids, dtype=torch.long),
+                           out=host[:n])
+        if size > n:
+            host[n:size] = host[0]  # padding: copies of a real input, never stale memory
+        return host[:size], turn
+
+    def _format(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.variant.channels_last and inputs.dim() == 4:
+            return inputs.contiguous(memory_format=torch.channels_last)
+        return inputs
+
+    @contextmanager
+    def _precision(self) -> Iterator[None]:
+        context = torch.autocast(self.device.type, dtype=self._autocast) \
+            if self._autocast is not None else nullcontext()
+        with context:
+            yield
+
+    def _run_now(self, job: InFlight, host: torch.Tensor) -> None:
+        """CPU: the forward pass, here or in a lane thread; a failure is kept in ``job``."""
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode(), self._precision():
+                outputs = self._model(self._format(host))
+            # The output must not alias the host buffer, which a later batch overwrites.
+            job.outputs = outputs.clone() if _shares_memory(outputs, host) else outputs
+        except Exception as e:
+            job.error = e
+        job.compute_s = time.perf_counter() - start
+
+    def _enqueue(self, job: InFlight, host: torch.Tensor, turn: int) -> None:
+        with torch.cuda.stream(self._copy_stream):
+            inputs = host.to(self.device, non_blocking=True)
+            copied = _event()
+            copied.record()
+        self._host_free[turn] = copied
+        compute = self._compute_stream
+        compute.wait_event(copied)
+        with torch.cuda.stream(compute), torch.inference_mode():
+            # Allocated on the copy stream, used on this one: keep its memory until done here.
+            inputs.record_stream(compute)
+            begin, end = _event(timing=True), _event(timing=True)
+            begin.record()
+            with self._precision():
+                outputs = self._model(self._format(inputs))
+            end.record()
+            back = torch.empty(outputs.shape, dtype=outputs.dtype, pin_memory=True)
+            back.copy_(outputs, non_blocking=True)
+            done = _event()
+            done.record()
+        job.outputs, job.done, job.timing = back, done, (begin, end)
+
+    def _outcomes(self, job: InFlight) -> list[Outcome]:
+        if job.done is not None:
+            job.done.synchronize()
+        if job.error is not None:
+            raise job.error
+        if job.timing is not None:
+            job.compute_s = job.timing[0].elapsed_time(job.timing[1]) / 1000
+            self._watch_memory()
+        assert job.outputs is not None
+        n = len(job.slot_ids)
+        raw = job.outputs[:n]
+        if self._autocast is not None and raw.is_floating_point():
+            raw = raw.float()  # handlers get full-precision outputs whatever ran
         finite = torch.isfinite(raw.reshape(n, -1)).all(dim=1).tolist()
-        outputs = self.handler.postprocess(raw, params)
+        outputs = self.handler.postprocess(raw, job.params)
         if len(outputs) != n:
             raise BatchSizeMismatch(f"model returned {len(outputs)} outputs for {n} inputs")
         return [Outcome(out) if ok else
                 Outcome(error=ErrorCode.NON_FINITE_OUTPUT, message="output holds NaN or inf")
                 for out, ok in zip(outputs, finite, strict=True)]
 
+    def _watch_memory(self) -> None:
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - \
+            torch.cuda.memory_allocated(self.device)
+        limit = next_batch_limit(self.batch_limit, self.max_batch_size, free + cached,
+                                 self._watermark_bytes, self._bytes_per_item)
+        if limit != self.batch_limit:
+            logger.warning("device memory headroom %.0f MiB (watermark %.0f MiB): batch "
+                           "limit %d -> %d", (free + cached) / 2**20,
+                           self._watermark_bytes / 2**20, self.batch_limit, limit)
+            self.batch_limit = limit
+
+    # ------------------------------------------------------------------ public runs
+
+    def run(self, slot_ids: Sequence[int], params: Sequence[Mapping[str, Any]],
+            pad_to: int | None = None) -> list[Outcome]:
+        """One outcome per slot, in order; outputs holding NaN or infinity are flagged.
+
+        Raises whatever the model raises, and BatchSizeMismatch when the
+        handler returns a different number of outputs than inputs.
+        """
+        return self.finish(self.submit(slot_ids, params, pad_to))
+
+    def finish(self, job: InFlight) -> list[Outcome]:
+        """Wait for a submitted batch and return its outcomes; raises as ``run`` does."""
+        return self._outcomes(job)
+
+    def collect(self, job: InFlight) -> list[Outcome]:
+        """Wait for a submitted batch and return its outcomes. A failing batch is split in
+        halves and run again, so one bad request gets ``inference_failed`` and the others
+        their outputs; out-of-memory is handled the same way and lowers the batch limit.
+        Raises DeviceFailure when the device itself is broken."""
+        try:
+            outcomes = self._outcomes(job)
+            job.run_s = job.compute_s if self._cuda else time.perf_counter() - job.started
+        except Exception as e:
+            outcomes = self._isolate(e, job.slot_ids, job.params)
+            job.run_s = time.perf_counter() - job.started
+        return outcomes
+
     def run_isolating(self, slot_ids: Sequence[int],
                       params: Sequence[Mapping[str, Any]]) -> list[Outcome]:
-        """Like ``run``, but a failing batch is split in halves and retried, so one bad
-        request gets ``inference_failed`` and the others their outputs. Out-of-memory is
-        handled the same way. Raises DeviceFailure when the device itself is broken."""
-        try:
-            return self.run(slot_ids, params)
-        except Exception as e:
-            if _is_device_fatal(e):
-                raise DeviceFailure(str(e)) from e
-            if isinstance(e, torch.cuda.OutOfMemoryError):
-                torch.cuda.empty_cache()
-            if len(slot_ids) == 1:
-                logger.warning("request failed in the model: %s: %s", type(e).__name__, e)
-                return [Outcome(error=ErrorCode.INFERENCE_FAILED,
-                                message=f"{type(e).__name__}: {e}")]
-            mid = len(slot_ids) // 2
-            return self.run_isolating(slot_ids[:mid], params[:mid]) + \
-                self.run_isolating(slot_ids[mid:], params[mid:])
+        """``run`` with the failure handling of ``collect``."""
+        return self.collect(self.submit(slot_ids, params))
+
+    def _isolate(self, e: Exception, slot_ids: Sequence[int],
+                 params: Sequence[Mapping[str, Any]]) -> list[Outcome]:
+        if _is_device_fatal(e):
+            raise DeviceFailure(str(e)) from e
+        if isinstance(e, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+            self.batch_limit = max(1, min(self.batch_limit, len(slot_ids) // 2))
+            logger.warning("out of device memory at batch %d: batch limit now %d",
+                           len(slot_ids), self.batch_limit)
+        if len(slot_ids) == 1:
+            logger.warning("request failed in the model: %s: %s", type(e).__name__, e)
+            return [Outcome(error=ErrorCode.INFERENCE_FAILED, message=f"{type(e).__name__}: {e}")]
+        mid = len(slot_ids) // 2
+        return self.run_isolating(slot_ids[:mid], params[:mid]) + \
+            self.run_isolating(slot_ids[mid:], params[mid:])
 
     def close(self) -> None:
-        """Drop the view on shared memory so the segment can be closed."""
+        """Drop the view on shared memory so the segment can be closed (lanes only ever
+        read the host buffers, never the slots)."""
         self._slots = torch.empty(0)
+        if self._lanes is not None:
+            self._lanes.shutdown(wait=False)
+
+
+class _LaneDone:
+    """A lane's forward pass, waited for like a CUDA event."""
+
+    def __init__(self, future: Future[None]) -> None:
+        self._future = future
+
+    def synchronize(self) -> None:
+        wait([self._future])  # its failure, if any, is in the job
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+    except RuntimeError:
+        return False
+
+
+def _event(timing: bool = False) -> Any:
+    return torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]
+
+
+def _total_memory(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.get_device_properties(device).total_memory)

@@ -19,6 +19,16 @@ NOTE [ Poison jobs ]
   not charged for that. A job delivered more than ``max_deliveries`` times is
   not run again: it goes to the dead-letter stream with the reason, and its
   client gets a ``dead_lettered`` error result.
+
+NOTE [ Departed consumers ]
+  Every worker start adds a consumer to the group (names are unique per process),
+  so the group would collect the names of every worker that ever ran. A consumer
+  idle for ``DEPARTED_AFTER`` leases and holding nothing pending is deleted. The
+  check and the XGROUP DELCONSUMER run in one Lua script: deleting a consumer drops
+  its pending entries, and an entry dropped that way would never be delivered
+  again, so "nothing pending" must still be true at the moment of deletion. A live
+  worker that was deleted by mistake loses nothing: its next XREADGROUP creates
+  its consumer again.
 """
 
 from __future__ import annotations
@@ -33,6 +43,23 @@ from redbatch.common.protocol import GROUP
 from redbatch.common.redis_io import StreamEntry
 
 logger = logging.getLogger(__name__)
+
+#: A consumer idle for this many lease periods with nothing pending is deleted.
+DEPARTED_AFTER = 3
+
+_FORGET_DEPARTED = """\
+-- KEYS[1] = stream; ARGV[1] = group, ARGV[2] = min idle ms, ARGV[3] = caller's consumer
+local gone = {}
+for _, row in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local c = {}
+  for i = 1, #row, 2 do c[row[i]] = row[i + 1] end
+  if c['pending'] == 0 and c['idle'] >= tonumber(ARGV[2]) and c['name'] ~= ARGV[3] then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], c['name'])
+    table.insert(gone, c['name'])
+  end
+end
+return gone
+"""
 
 
 class Leases:
@@ -76,6 +103,7 @@ class Reclaimer:
         self.leases = Leases()
         self._last_claim = 0.0
         self._last_renew = time.monotonic()
+        self._forget = r.register_script(_FORGET_DEPARTED)
 
     def renew(self) -> None:
         """Reset the idle time of every held entry not renewed for a third of the limit."""
@@ -104,7 +132,18 @@ class Reclaimer:
         if got:
             logger.warning("took over %d jobs idle for over %d ms from other consumers",
                            len(got), self.idle_ms)
+        self._forget_departed(streams)
         return got
+
+    def _forget_departed(self, streams: list[str]) -> None:
+        """Delete consumers that left holding nothing (see NOTE [ Departed consumers ])."""
+        for stream in streams:
+            gone = self._forget(keys=[stream],
+                                args=[GROUP, DEPARTED_AFTER * self.idle_ms, self.consumer])
+            if gone:
+                names = ", ".join(n.decode() if isinstance(n, bytes) else str(n) for n in gone)
+                logger.info("removed departed consumers with nothing pending from %s: %s",
+                            stream, names)
 
     def _claim_stream(self, stream: str, count: int) -> list[tuple[str, StreamEntry]]:
         idle = self._redis.xpending_range(stream, GROUP, min="-", max="+", count=count,

@@ -9,7 +9,7 @@ so a job never leaves its stream without its result written.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,9 +25,12 @@ from redbatch.common.protocol import (
     FIELD_JOB,
     FIELD_REQUEST_ID,
     GROUP,
+    RECENT_MAX,
+    RECENT_TTL_MS,
     ErrorCode,
     Keys,
     Lane,
+    RecentResult,
     ResultEnvelope,
     Status,
 )
@@ -48,13 +51,25 @@ class Answer:
     lane: Lane = Lane.INTERACTIVE
     dead_letter: dict[str, bytes | str] | None = None
     """Fields of a dead-letter entry to add to the DLQ in the same transaction."""
+    outcome: str = ""
+    """``ok`` or the error code, for the fleet's recent-results list (Keys.recent) and the
+    worker's metrics."""
+    total_ms: float | None = None
+    """The result's end-to-end time, ms; None when the entry was rejected unread."""
+    timings: Mapping[str, float] | None = None
+    """The result's stage timings, ms, for the worker's latency metrics."""
 
 
 def _answer(entry: Job | BadEntry, result: ResultEnvelope, slot: int = -1) -> Answer:
     reply_to = entry.envelope.reply_to if isinstance(entry, Job) else None
     lane = entry.envelope.lane if isinstance(entry, Job) else Lane.INTERACTIVE
     return Answer(entry.stream, entry.entry_id, result.request_id, result.encode(), slot,
-                  reply_to, lane)
+                  reply_to, lane, outcome=_outcome(result),
+                  total_ms=result.timings.get("total_ms"), timings=result.timings)
+
+
+def _outcome(result: ResultEnvelope) -> str:
+    return result.error_code.value if result.error_code is not None else result.status.value
 
 
 class ResultWriter:
@@ -99,7 +114,8 @@ class ResultWriter:
         marked so, acknowledged either way."""
         dead = _dead_letter_fields(entry) if entry.dead_letter else None
         if entry.request_id is None:
-            return Answer(entry.stream, entry.entry_id, None, dead_letter=dead)
+            return Answer(entry.stream, entry.entry_id, None, dead_letter=dead,
+                          outcome=entry.code.value)
         result = ResultEnvelope.error(entry.request_id, entry.code, entry.message,
                                       worker=self.worker, model=self.keys.model,
                                       finished_ms=int(time.time() * 1000))
@@ -128,9 +144,12 @@ class ResultWriter:
                 pipe.set(self.keys.result(rid), answer.encoded, px=self._ttl_ms, nx=True)
                 pipe.rpush(self.keys.done(rid), DONE_TOKEN)
                 pipe.pexpire(self.keys.done(rid), self._ttl_ms)
+                # The id stays taken while its result can be read (NOTE [ Request id owners ]).
+                pipe.pexpire(self.keys.owner(rid), self._ttl_ms)
                 if answer.reply_to is not None:
                     pipe.rpush(answer.reply_to, rid)
                     pipe.pexpire(answer.reply_to, self._ttl_ms)
+        self._push_recent(pipe, answers)
         for stream, ids in _by_stream(answers).items():
             pipe.xack(stream, GROUP, *ids)
             pipe.xdel(stream, *ids)
@@ -138,6 +157,19 @@ class ResultWriter:
             pipe.execute()
         except REDIS_ERRORS as e:
             raise RedisUnavailable(f"writing {len(answers)} results failed: {e}") from e
+
+    def _push_recent(self, pipe: Any, answers: Sequence[Answer]) -> None:
+        """Queue the answered results onto the capped recent list `redbatch status` reads."""
+        now = int(time.time() * 1000)
+        bulk = self.keys.stream(Lane.BULK)
+        # The lane from the stream, not the envelope: rejected entries have no envelope.
+        records = [RecentResult(now, Lane.BULK if a.stream == bulk else Lane.INTERACTIVE,
+                                a.outcome, a.total_ms).encode()
+                   for a in answers if a.request_id is not None]
+        if records:
+            pipe.lpush(self.keys.recent(), *records)
+            pipe.ltrim(self.keys.recent(), 0, RECENT_MAX - 1)
+            pipe.pexpire(self.keys.recent(), RECENT_TTL_MS)
 
 
 def _dead_letter_fields(entry: BadEntry) -> dict[str, bytes | str]:

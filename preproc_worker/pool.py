@@ -63,6 +63,9 @@ class PreprocPool:
         self._results: Any = self._ctx.Queue()
         self._children: list[_Child] = []
         self._keys = count()
+        # Two lines, each first in first out: interactive (urgent) tasks are dispatched before
+        # any bulk one, and in arrival order among themselves, so none starves at saturation.
+        self._urgent: deque[PreprocTask] = deque()
         self._backlog: deque[PreprocTask] = deque()
         self._strikes: dict[int, int] = {}  # task key -> crashes charged to it
         self._stop = threading.Event()
@@ -116,7 +119,13 @@ class PreprocPool:
 
     @property
     def inflight(self) -> int:
-        return len(self._backlog) + sum(len(c.inflight) for c in self._children)
+        return len(self._urgent) + len(self._backlog) + sum(len(c.inflight)
+                                                             for c in self._children)
+
+    @property
+    def busy(self) -> int:
+        """Processes working on a task right now (each says so in its shared ``current``)."""
+        return sum(c.current.value != IDLE for c in self._children)
 
     def submit(self, slot: int, payload: bytes, content_type: str,
                params: dict[str, Any], urgent: bool = False) -> int:
@@ -127,19 +136,16 @@ class PreprocPool:
         return task.key
 
     def _assign(self, task: PreprocTask, urgent: bool = False) -> None:
-        if urgent:
-            self._backlog.appendleft(task)
-        else:
-            self._backlog.append(task)
+        (self._urgent if urgent else self._backlog).append(task)
         self._dispatch()
 
     def _dispatch(self) -> None:
-        """Move backlog tasks to the least busy processes that have room."""
-        while self._backlog:
+        """Move waiting tasks, urgent ones first, to the least busy processes with room."""
+        while self._urgent or self._backlog:
             child = min(self._children, key=lambda c: len(c.inflight))
             if len(child.inflight) >= PREFETCH:
                 return
-            task = self._backlog.popleft()
+            task = (self._urgent or self._backlog).popleft()
             child.inflight[task.key] = task
             child.tasks.put(task)
 

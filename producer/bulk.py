@@ -27,6 +27,17 @@ NOTE [ A bounded queue ]
   more retries. New items that find no room wait in the same line. An item
   that waits longer than ``timeout_s`` to be admitted is written as a
   ``timeout``, so a run against a queue that never drains still ends.
+
+NOTE [ Redis going away ]
+  A submission whose connection breaks may have queued some of its jobs, or
+  none. The scorer keeps those envelopes and, after the same back-off, sends
+  them again unchanged: request ids are unique (PROTOCOL.md), so the ones
+  queued the first time come back as duplicates and count as queued. No job
+  is lost and none runs twice. Collecting waits out the outage the same way.
+  A BLPOP whose reply is cut off by a broken connection has still popped its
+  id from the reply list, so the reply list alone can lose a finished job:
+  every SWEEP_EVERY_S the scorer also looks up the result keys of jobs in
+  flight for longer than that, and collects the ones that are there.
 """
 
 from __future__ import annotations
@@ -39,11 +50,12 @@ import uuid
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import redis
 from redbatch.common.protocol import JobEnvelope, Lane, ResultEnvelope
-from redbatch.common.redis_io import Backoff
-from redbatch.producer.client import Client, QueueFull
+from redbatch.common.redis_io import REDIS_ERRORS, Backoff
+from redbatch.producer.client import Client, DuplicateRequestId, QueueFull
 from redbatch.producer.inputs import Item
 from redbatch.producer.output import DoneIndex, OutputWriter, record
 from redbatch.producer.progress import Progress, RunStats
@@ -57,6 +69,8 @@ WAIT_SLICE_S = 0.5
 #: Back-off after a queue_full refusal: first delay and cap, seconds (see the NOTE).
 BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 2.0
+#: How often, and past what age, jobs in flight are looked up by their result key, s.
+SWEEP_EVERY_S = 5.0
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +150,9 @@ class BulkScorer:
         self._backoff = RetryClock()
         #: The lane refused us once: size every submission to the room its queue has left.
         self._bounded = False
+        #: A submission whose connection broke, to send again as it was (see the NOTE).
+        self._unsent: tuple[list[JobEnvelope], dict[str, _Waiting]] | None = None
+        self._next_sweep = time.monotonic() + SWEEP_EVERY_S
         self._exhausted = False
 
     def stop(self) -> None:
@@ -161,6 +178,7 @@ class BulkScorer:
             if drain_until is not None and time.monotonic() > drain_until:
                 break
             self._collect()
+            self._sweep()
             self._expire()
             self._tick()
         self.writer.flush()
@@ -189,6 +207,9 @@ class BulkScorer:
         """Top the window up, in pipelined chunks; refused items go first, once the
         back-off allows (see the NOTE)."""
         while True:
+            if self._unsent is not None:
+                if time.monotonic() < self._backoff.until or not self._send(*self._unsent):
+                    return
             if self._refused:
                 room = min(SUBMIT_CHUNK, len(self._refused))
             else:
@@ -198,30 +219,43 @@ class BulkScorer:
             if time.monotonic() < self._backoff.until:
                 return
             if self._bounded:
-                free = self.client.queue_state(self.settings.lane).room
-                if free is None:
-                    self._bounded = False  # the bound was removed
-                elif free == 0:
-                    if not self._refused:  # new items wait for room (and time out) too
-                        now = time.monotonic()
-                        self._refused.extend(_Waiting(w.item, now)
-                                             for w in self._take(pending, room))
-                    self._backoff.failed(time.monotonic())
+                room = self._room_in_queue(pending, room)
+                if room == 0:
                     return
-                else:
-                    room = min(room, free)
             if self._refused:
                 chunk = [self._refused.popleft() for _ in range(room)]
             else:
                 chunk = self._take(pending, room)
             admitted, refused = self._submit(chunk)
-            now = time.monotonic()
-            if not refused:
-                self._backoff.reset()
-            elif admitted:
-                self._backoff.progressed(now)
-            else:
-                self._backoff.failed(now)
+            if self._unsent is not None:
+                return
+            self._pace(admitted, refused)
+
+    def _pace(self, admitted: int, refused: int) -> None:
+        now = time.monotonic()
+        if not refused:
+            self._backoff.reset()
+        elif admitted:
+            self._backoff.progressed(now)
+        else:
+            self._backoff.failed(now)
+
+    def _room_in_queue(self, pending: Iterator[Item], room: int) -> int:
+        """How many of ``room`` jobs fit the lane's bound now; 0 means back off."""
+        try:
+            free = self.client.queue_state(self.settings.lane).room
+        except REDIS_ERRORS:
+            self._backoff.failed(time.monotonic())
+            return 0
+        if free is None:
+            self._bounded = False  # the bound was removed
+            return room
+        if free == 0:
+            if not self._refused:  # new items wait for room (and time out) too
+                now = time.monotonic()
+                self._refused.extend(_Waiting(w.item, now) for w in self._take(pending, room))
+            self._backoff.failed(time.monotonic())
+        return min(room, free)
 
     def _take(self, pending: Iterator[Item], n: int) -> list[_Waiting]:
         fresh = list(itertools.islice(pending, n))
@@ -256,15 +290,37 @@ class BulkScorer:
             entries[job.request_id] = entry
         if not jobs:
             return 0, 0
+        return self._admit(jobs, entries)
+
+    def _send(self, jobs: list[JobEnvelope], entries: dict[str, _Waiting]) -> bool:
+        """Send a submission again after a broken connection; True once it got through."""
+        self._unsent = None
+        _, refused = self._admit(jobs, entries)
+        if self._unsent is not None:
+            return False
+        logger.info("Redis is back: submitting again")
+        self._pace(len(jobs) - refused, refused)
+        return True
+
+    def _admit(self, jobs: list[JobEnvelope], entries: dict[str, _Waiting]) -> tuple[int, int]:
         refused: list[str] = []
         try:
             admitted = self.client.submit_jobs(jobs)
         except QueueFull as e:
-            admitted, refused = e.accepted, e.refused
+            admitted, refused = e.accepted + e.duplicates, e.refused
             if not self._bounded:
                 logger.info("the %s queue of model %r is full (bound %d): backing off "
                             "and retrying", e.lane.value, e.model, e.bound)
             self._bounded = True
+        except DuplicateRequestId as e:
+            # Only after a broken connection: these were queued by the lost submission.
+            admitted = e.accepted + e.duplicates
+        except REDIS_ERRORS as e:
+            if self._unsent is None:
+                logger.warning("submitting failed (%s); retrying with back-off", e)
+            self._unsent = (jobs, entries)
+            self._backoff.failed(time.monotonic())
+            return 0, 0
         now = time.monotonic()
         for rid in admitted:
             self._inflight[rid] = _InFlight(entries[rid].item, now)
@@ -289,22 +345,45 @@ class BulkScorer:
             if first is None:
                 return
             more = r.lpop(self._reply, COLLECT_CHUNK) or []
-        except (redis.ConnectionError, redis.TimeoutError):
-            time.sleep(WAIT_SLICE_S)  # the reply list is durable; nothing is lost meanwhile
+        except REDIS_ERRORS:
+            time.sleep(WAIT_SLICE_S)  # results are durable; the sweep finds any lost id
             return
         ids = [i.decode() for i in [first[1], *more]]
         self._write_results([i for i in ids if i in self._inflight])
+
+    def _sweep(self) -> None:
+        """Collect jobs whose result exists but whose reply-list id was lost (see the NOTE)."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_EVERY_S
+        old = [rid for rid, f in self._inflight.items() if now - f.sent > SWEEP_EVERY_S]
+        keys = self.client.keys()
+        for start in range(0, len(old), COLLECT_CHUNK):
+            chunk = old[start:start + COLLECT_CHUNK]
+            pipe = self.client.redis.pipeline(transaction=False)
+            for rid in chunk:
+                pipe.exists(keys.result(rid))
+            try:
+                found = pipe.execute()
+            except REDIS_ERRORS:
+                return
+            self._write_results([rid for rid, n in zip(chunk, found, strict=True) if n])
 
     def _write_results(self, ids: list[str]) -> None:
         if not ids:
             return
         keys = self.client.keys()
-        pipe = self.client.redis.pipeline(transaction=False)
-        for rid in ids:
-            pipe.get(keys.result(rid))
-        for rid in ids:
-            pipe.delete(keys.result(rid), keys.done(rid))  # read once; free Redis now
-        raw = pipe.execute()[: len(ids)]
+        r = self.client.redis
+        try:
+            raw = cast(list[bytes | None], r.mget([keys.result(rid) for rid in ids]))
+        except REDIS_ERRORS:
+            return  # still in flight: the next sweep finds their results
+        try:  # read once: free Redis now (or they expire), the id's claim with them
+            r.delete(*(k for rid in ids
+                       for k in (keys.result(rid), keys.done(rid), keys.owner(rid))))
+        except REDIS_ERRORS:
+            pass
         now = time.monotonic()
         for rid, data in zip(ids, raw, strict=True):
             flight = self._inflight.pop(rid)

@@ -9,7 +9,9 @@ drops loses nothing: the client reconnects and reads the key again.
 Admission control: every submit runs the protocol's admission script (an atomic
 check-and-XADD), so a lane with a bound in the model's limits hash refuses jobs
 once its stream holds that many; the caller gets :class:`QueueFull` at once and
-nothing is queued for the refused jobs.
+nothing is queued for the refused jobs. The same script refuses a request id that
+another job still owns (:class:`DuplicateRequestId`), so submitting the same envelope
+again after a lost reply is safe: the job is queued at most once.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from redbatch.common.config import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MODEL, DEF
 from redbatch.common.protocol import (
     ADMIT_SCRIPT,
     DEFAULT_PREFIX,
+    DUPLICATE_REPLY,
     QUEUE_FULL_REPLY,
     ErrorCode,
     JobEnvelope,
@@ -33,6 +36,7 @@ from redbatch.common.protocol import (
     Lane,
     ResultEnvelope,
     new_request_id,
+    owner_ttl_ms,
     parse_queue_bound,
     valid_request_id,
 )
@@ -70,6 +74,8 @@ class QueueFull(Exception):
         self.bound = bound
         self.refused = refused
         self.accepted = accepted or []
+        #: Ids of the same call refused because they were in use (see DuplicateRequestId).
+        self.duplicates: list[str] = []
         self.message = (f"the {lane.value} queue of model {model!r} is at its bound of "
                         f"{bound} jobs; submit again later")
         if self.accepted:
@@ -77,6 +83,21 @@ class QueueFull(Exception):
                              f"refused, {len(self.accepted)} queued)")
         elif len(refused) > 1:
             self.message += f" ({len(refused)} jobs refused)"
+        super().__init__(f"{self.code.value}: {self.message}")
+
+
+class DuplicateRequestId(Exception):
+    """Refused at submit: these request ids belong to jobs already queued, running, or
+    with a result that has not expired. Nothing was queued for them. ``accepted`` holds
+    the ids of the jobs of the same call that were queued."""
+
+    code = ErrorCode.DUPLICATE_REQUEST_ID
+
+    def __init__(self, duplicates: list[str], accepted: list[str] | None = None) -> None:
+        self.duplicates = duplicates
+        self.accepted = accepted or []
+        self.message = (f"request id {duplicates[0]!r} is already in use"
+                        + (f" (and {len(duplicates) - 1} more)" if len(duplicates) > 1 else ""))
         super().__init__(f"{self.code.value}: {self.message}")
 
 
@@ -137,29 +158,37 @@ class _Base:
                            params=dict(params or {}), reply_to=reply_to)
 
 
-    def _admit_args(self, job: JobEnvelope) -> tuple[list[str], list[bytes | str]]:
+    def _admit_args(self, job: JobEnvelope) -> tuple[list[str], list[bytes | str | int]]:
         """KEYS and ARGV of the admission script for one job."""
         keys = self.keys(job.model)
         fields = [x for name, value in job.encode().items() for x in (name, value)]
-        return [keys.stream(job.lane), keys.limits()], [Lane(job.lane).value, *fields]
+        return ([keys.stream(job.lane), keys.limits(), keys.owner(job.request_id)],
+                [Lane(job.lane).value, owner_ttl_ms(job.budget_ms), *fields])
 
     def _admitted(self, jobs: Sequence[JobEnvelope], replies: Sequence[object]) -> list[str]:
-        """Request ids of the admitted jobs; raises QueueFull naming the refused ones, or
-        the first other error a reply holds."""
-        accepted, refused = [], []
+        """Request ids of the admitted jobs; raises QueueFull naming the refused ones (its
+        ``duplicates`` lists ids refused as in use), DuplicateRequestId when only ids in
+        use were refused, or the first other error a reply holds."""
+        accepted, refused, duplicates = [], [], []
         first: tuple[JobEnvelope, int] | None = None
         for job, reply in zip(jobs, replies, strict=True):
             bound = _refused_bound(reply)
             if bound is not None:
                 refused.append(job.request_id)
                 first = first or (job, bound)
+            elif isinstance(reply, redis.ResponseError) and str(reply) == DUPLICATE_REPLY:
+                duplicates.append(job.request_id)
             elif isinstance(reply, BaseException):
                 raise reply
             else:
                 accepted.append(job.request_id)
         if first is not None:
             job, bound = first
-            raise QueueFull(job.model, Lane(job.lane), bound, refused, accepted)
+            full = QueueFull(job.model, Lane(job.lane), bound, refused, accepted)
+            full.duplicates = duplicates
+            raise full
+        if duplicates:
+            raise DuplicateRequestId(duplicates, accepted)
         return accepted
 
     def _limit_value(self, lane: Lane | str, max_jobs: int | None) -> tuple[str, int | None]:
@@ -198,7 +227,8 @@ class Client(_Base):
 
         ``timeout_s`` sets the job's deadline: a worker that reaches it later
         answers ``expired`` instead of computing it. Raises :class:`QueueFull`, with
-        nothing queued, when the lane is at its bound (see :meth:`set_queue_limit`).
+        nothing queued, when the lane is at its bound (see :meth:`set_queue_limit`), and
+        :class:`DuplicateRequestId` when ``request_id`` belongs to another job.
         """
         job = self.job(payload, model=model, timeout_s=timeout_s, lane=lane, params=params,
                        content_type=content_type, request_id=request_id)

@@ -14,7 +14,9 @@ from redbatch.common.protocol import (
     DLQ_SOURCE,
     FIELD_JOB,
     FIELD_REQUEST_ID,
+    OWNER_TTL_PAD_MS,
     Keys,
+    parse_queue_bound,
 )
 
 Entry = tuple[bytes, dict[bytes, bytes]]
@@ -54,11 +56,21 @@ def _selected(r: redis.Redis, keys: Keys, ids: list[str]) -> list[Entry]:
     return found
 
 
+class RetryQueueFull(Exception):
+    """A lane reached its admission bound while retrying; the rest stay dead letters."""
+
+    def __init__(self, requeued: int, lane_stream: str, bound: int) -> None:
+        super().__init__(f"{lane_stream} is at its bound of {bound} jobs; requeued "
+                         f"{requeued}, the rest stay in the dead-letter stream")
+        self.requeued = requeued
+
+
 def retry(r: redis.Redis, keys: Keys, ids: list[str]) -> int:
     """Put dead letters back on their lane streams (all when ``ids`` is empty).
 
-    The ``dead_lettered`` result of each is deleted in the same transaction, so its
-    client can wait for the new one. Returns how many were requeued.
+    The ``dead_lettered`` result of each, and its claim on the request id, are deleted
+    in the same transaction, so its client can wait for the new one. Lane bounds are
+    respected (raises RetryQueueFull when one is reached). Returns how many were requeued.
     """
     done = 0
     for dlq_id, fields in _selected(r, keys, ids):
@@ -66,12 +78,20 @@ def retry(r: redis.Redis, keys: Keys, ids: list[str]) -> int:
         source = _text(fields.get(DLQ_SOURCE.encode()))
         if not rid or source not in keys.streams():
             continue  # nothing to answer, or not a stream of this model: only purge helps
+        lane = source.rsplit(":", 1)[-1]
+        bound = parse_queue_bound(r.hget(keys.limits(), lane))
+        # Not atomic with the XADD below, unlike the admission script: an operator's
+        # replay may overshoot a bound by the jobs producers add meanwhile.
+        if bound is not None and int(r.xlen(source)) >= bound:
+            raise RetryQueueFull(done, source, bound)
         pipe = r.pipeline(transaction=True)
+        pipe.delete(keys.result(rid), keys.done(rid), keys.owner(rid))
         pipe.xadd(source, {FIELD_REQUEST_ID: rid,
                            FIELD_JOB: fields.get(FIELD_JOB.encode(), b"")})
-        pipe.delete(keys.result(rid), keys.done(rid))
         pipe.xdel(keys.dlq(), dlq_id)
-        pipe.execute()
+        entry_id = pipe.execute()[1]
+        # The new entry owns the id (a worker that read it first has claimed it the same).
+        r.set(keys.owner(rid), entry_id, nx=True, px=OWNER_TTL_PAD_MS)
         done += 1
     return done
 

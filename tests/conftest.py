@@ -24,6 +24,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="use this Redis (it will be FLUSHALLed) instead of starting one")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_calibration_by_default() -> Iterator[None]:
+    """Workers the tests start by hand neither calibrate nor load a profile (a profile in
+    this machine's cache would change their batch sizes); tests that want one pass
+    --calibrate, which wins over the variable."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("REDBATCH_CALIBRATE", "off")
+        yield
+
+
 @pytest.fixture(scope="session")
 def redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
     url = request.config.getoption("--redis-url")
@@ -68,8 +78,14 @@ def start_worker(redis_url: str, r: redis.Redis,
     def start(*args: str, wait: bool = True, model: str = TEST_MODEL,
               env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = tmp_path / f"worker-{len(procs)}.log"
+        # Several workers run at once: none takes the default metrics port unless asked to.
+        metrics = [] if "--metrics-port" in args else ["--metrics-port", "0"]
+        # No calibration profile (none measured, none loaded) unless the test asks for one:
+        # fast starts, and the defaults every other test expects.
+        calibrate = [] if "--calibrate" in args else ["--calibrate", "off"]
         with open(log, "wb") as out:
-            proc = spawn_worker(redis_url, ["--model", model, "--max-wait-ms", "5", *args],
+            proc = spawn_worker(redis_url, ["--model", model, "--max-wait-ms", "5", *metrics,
+                                            *calibrate, *args],
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
         procs.append((proc, log))
         if wait:

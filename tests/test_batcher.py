@@ -189,3 +189,55 @@ def test_expired_requests_are_found_in_both_lanes() -> None:
 def test_invalid_lane_policy_is_refused(share: float) -> None:
     with pytest.raises(ValueError):
         LanePolicy(bulk_share=share)
+
+
+# ------------------------------------------------------------------ calibration profile
+
+
+def test_seeded_estimator_uses_measured_times_from_the_first_request() -> None:
+    est = LatencyEstimator(smoothing=0.5)
+    est.seed({1: 0.010, 8: 0.050, 0: 9.0})  # size 0 is meaningless and ignored
+    assert est(1) == pytest.approx(0.010) and est(4) == pytest.approx(0.010 + 3 * 0.040 / 7)
+    b: Batcher[Item] = Batcher(8, max_wait_s=1000.0, run_time=est)
+    b.add(Item("a", 0.0, deadline_s=1.0))
+    # One request waits: it must start 10 ms before its deadline, as measured, not 0 ms.
+    assert b.next_wakeup(now=0.0) == pytest.approx(0.990)
+    est.observe(1, 0.030)  # later observations move the seed as usual
+    assert est(1) == pytest.approx(0.020)
+
+
+def test_batches_round_up_to_a_preferred_size_only_when_no_slower() -> None:
+    times = {1: 0.010, 6: 0.040, 7: 0.060, 8: 0.050, 15: 0.090, 16: 0.120}
+    est = LatencyEstimator()
+    est.seed(times)
+    b: Batcher[Item] = Batcher(16, 0.0, run_time=est, preferred_sizes=[8, 16])
+    assert b.run_size(7) == 8, "8 measured faster than 7"
+    assert b.run_size(6) == 6, "6 is faster than 8: no padding"
+    assert b.run_size(8) == 8 and b.run_size(15) == 15, "16 is slower than 15"
+    assert b.run_size(1) == 1
+    b.set_limit(7)
+    assert b.run_size(7) == 7, "never past the current limit"
+
+
+def test_always_round_up_pads_to_the_next_compiled_size() -> None:
+    b: Batcher[Item] = Batcher(8, 0.0, run_time=lambda n: 0.01 * n, preferred_sizes=[1, 2, 4, 8],
+                               always_round_up=True)
+    assert [b.run_size(n) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+
+
+def test_deadline_rule_uses_the_padded_run_time() -> None:
+    times = {1: 0.010, 3: 0.300, 4: 0.100}
+    b: Batcher[Item] = Batcher(4, 1000.0, run_time=lambda n: times[n], preferred_sizes=[4])
+    fill(b, 3, at=0.0, deadline=1.0)
+    assert b.next_wakeup(now=0.0) == pytest.approx(0.9), "3 run padded to 4: 100 ms, not 300"
+
+
+def test_set_limit_caps_batches_and_never_passes_the_configured_max() -> None:
+    b: Batcher[Item] = Batcher(8, max_wait_s=0.0)
+    fill(b, 20, at=0.0)
+    b.set_limit(3)
+    assert len(b.pop_ready(now=1.0)) == 3
+    b.set_limit(0)
+    assert b.max_batch_size == 1 and len(b.pop_ready(now=1.0)) == 1
+    b.set_limit(100)
+    assert b.max_batch_size == 8 and len(b.pop_ready(now=1.0)) == 8

@@ -1,62 +1,89 @@
-"""compose.yaml is valid Compose (official schema) and its worker command starts and serves."""
+"""The production stack without a Docker engine.
+
+compose.yaml is valid Compose (official schema) with durable Redis, scalable GPU and CPU
+workers and pinned images; each redbatch service's command, with its environment, starts
+against a local redis-server, serves a real photo and answers /metrics; every metric the
+Grafana dashboard and the Prometheus config name is one a live worker exports; and the
+Prometheus and Grafana files point at the services and folders compose.yaml gives them.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jsonschema
+import numpy as np
+import pytest
 import redis
 import yaml
 from conftest import SAMPLES
+from deploy_files import (
+    PROMETHEUS_CONFIG,
+    PROVISIONING,
+    ROOT,
+    dashboard_queries,
+    exposition_series,
+    host_path,
+    label_values,
+    load_compose,
+    load_dashboards,
+    metric_names,
+    rate_arguments,
+    redbatch_services,
+    service_env,
+)
+from redbatch.common.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_INFLIGHT, LimitSettings
 from redbatch.common.local_stack import stop_worker, wait_worker_ready
 from redbatch.common.protocol import Keys
+from redbatch.gpu_worker.handlers import load_handler
 from redbatch.producer.client import Client
 
-ROOT = Path(__file__).resolve().parent.parent
 SHARED_SCHEMA = ROOT.parent / "shared" / "compose-spec" / "compose-spec.json"
 #: A copy of the official schema (Apache-2.0, LICENSE beside it), so the check runs in a
 #: checkout anywhere; where the shared one sits beside the checkout, the copy must equal it.
 VENDORED_SCHEMA = ROOT / "tests" / "data" / "compose-spec" / "compose-spec.json"
 
+METRICS_PORT = "9400"  # the metrics contract's port, which Prometheus scrapes
+WORKER_DRAIN_S = 30  # the worker's first SIGTERM finishes in-flight work within this
+DOCKER_DEFAULT_SHM = 64 * 1024**2
+#: Exported only by workers on CUDA (metrics contract); a CPU worker may leave them out.
+CUDA_ONLY = {"redbatch_gpu_memory_allocated_bytes", "redbatch_gpu_memory_reserved_bytes"}
 
-def compose() -> dict:  # type: ignore[type-arg]
-    return yaml.safe_load((ROOT / "compose.yaml").read_text())  # type: ignore[no-any-return]
+
+def compose_bytes(size: str | int) -> int:
+    """Compose's byte values: a number, or one with b/k/kb/m/mb/g/gb (powers of 1024)."""
+    m = re.fullmatch(r"(\d+)\s*([kmg]?)b?", str(size).lower())
+    assert m, f"not a Compose byte value: {size!r}"
+    return int(m.group(1)) * 1024 ** " kmg".index(m.group(2) or " ")
+
+
+def compose_seconds(duration: str) -> float:
+    """Compose's durations, e.g. 40s, 1m30s, 1500ms."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+# ----------------------------------------------------------------------- the compose file
 
 
 def test_compose_file_matches_the_official_schema() -> None:
     schema_file = SHARED_SCHEMA if SHARED_SCHEMA.exists() else VENDORED_SCHEMA
     schema = json.loads(schema_file.read_text())
-    jsonschema.validate(compose(), schema, cls=jsonschema.Draft7Validator)
-
-
-def test_redis_service_is_durable_and_never_evicts() -> None:
-    redis_service = compose()["services"]["redis"]
-    command = " ".join(redis_service["command"])
-    assert "--appendonly yes" in command and "--maxmemory-policy noeviction" in command
-    assert ":" in redis_service["image"] and not redis_service["image"].endswith(":latest")
-    assert "healthcheck" in redis_service
-
-
-def test_worker_service_command_starts_and_serves(redis_url: str, r: redis.Redis,
-                                                  tmp_path: Path) -> None:
-    service = compose()["services"]["worker"]
-    env = {k: str(v) for k, v in service["environment"].items()}
-    env["REDBATCH_REDIS_URL"] = redis_url  # the container would reach redis:6379
-    assert service["command"][0] == "redbatch"
-    exe = Path(sys.executable).parent / service["command"][0]
-    with open(tmp_path / "worker.log", "wb") as log:
-        proc = subprocess.Popen([str(exe), *service["command"][1:]], env={**os.environ, **env},
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_worker_ready(redis_url, Keys(env["REDBATCH_MODEL"]), proc)
-        with Client(redis_url) as client:
-            assert client.predict((SAMPLES / "cat.jpg").read_bytes(), timeout_s=60).ok
-    finally:
-        assert stop_worker(proc) == 0
+    jsonschema.validate(load_compose(), schema, cls=jsonschema.Draft7Validator)
 
 
 def test_vendored_schema_is_the_official_one() -> None:
@@ -64,3 +91,256 @@ def test_vendored_schema_is_the_official_one() -> None:
         assert VENDORED_SCHEMA.read_bytes() == SHARED_SCHEMA.read_bytes()
     schema = json.loads(VENDORED_SCHEMA.read_text())
     assert schema["$schema"].endswith("json-schema.org/draft-07/schema")
+
+
+def test_redis_service_is_durable_and_never_evicts() -> None:
+    redis_service = load_compose()["services"]["redis"]
+    command = " ".join(redis_service["command"])
+    for setting in ("--appendonly yes", "--appendfsync everysec",
+                    "--maxmemory-policy noeviction"):
+        assert setting in command
+    assert any(v.split(":")[1] == "/data" for v in redis_service["volumes"]), "AOF on a volume"
+    # Healthy only once PING answers PONG, not while a large AOF is still loading.
+    assert "PONG" in " ".join(redis_service["healthcheck"]["test"])
+
+
+def test_every_image_is_pinned() -> None:
+    for name, service in load_compose()["services"].items():
+        if "build" in service:
+            continue  # built here from the Dockerfile, whose base is checked in test_dockerfile
+        image = service["image"]
+        tag = image.rsplit(":", 1)[1] if ":" in image.rsplit("/", 1)[-1] else ""
+        assert re.search(r"\d", tag) and tag != "latest", f"{name}: {image} is not pinned"
+
+
+def test_workers_start_after_redis_is_healthy_and_drain_on_stop() -> None:
+    compose = load_compose()
+    for name in redbatch_services(compose):
+        service = compose["services"][name]
+        assert service["depends_on"]["redis"]["condition"] == "service_healthy", name
+        assert compose_seconds(service["stop_grace_period"]) > WORKER_DRAIN_S, name
+        assert service.get("restart") in ("unless-stopped", "always", "on-failure"), name
+
+
+def test_worker_reserves_a_gpu_and_enough_shared_memory() -> None:
+    service = load_compose()["services"]["worker"]
+    devices = service["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+    env = service_env(service)
+    handler = load_handler(env["REDBATCH_MODEL"], LimitSettings())
+    slot_bytes = int(np.prod(handler.input_shape)) * np.dtype(handler.input_dtype).itemsize
+    slots = max(int(env.get("REDBATCH_MAX_INFLIGHT", DEFAULT_MAX_INFLIGHT)),
+                int(env.get("REDBATCH_MAX_BATCH_SIZE", DEFAULT_MAX_BATCH_SIZE)))
+    shm = compose_bytes(service["shm_size"])
+    assert shm > DOCKER_DEFAULT_SHM and shm >= 2 * slots * slot_bytes
+
+
+def test_workers_can_be_scaled() -> None:
+    compose = load_compose()
+    for name in redbatch_services(compose):
+        service = compose["services"][name]
+        # A fixed name or host port would make a second replica fail to start.
+        assert "container_name" not in service and "ports" not in service, name
+        assert service_env(service)["REDBATCH_METRICS_PORT"] == METRICS_PORT, name
+        assert METRICS_PORT in [str(p) for p in service["expose"]], name
+
+
+def test_cpu_profile_is_the_worker_without_a_gpu() -> None:
+    compose = load_compose()
+    assert redbatch_services(compose) == ["worker", "worker-cpu"]
+    gpu, cpu = compose["services"]["worker"], compose["services"]["worker-cpu"]
+    assert cpu["profiles"] == ["cpu"] and "profiles" not in gpu
+    assert service_env(cpu).pop("REDBATCH_DEVICE") == "cpu"
+    assert "devices" not in cpu.get("deploy", {}).get("resources", {}).get("reservations", {})
+    # Everything else is the same worker: same image, command, environment and limits.
+    same = {k: v for k, v in gpu.items() if k != "deploy"}
+    assert {k: v for k, v in cpu.items() if k != "profiles"} == {
+        **same, "environment": {**same["environment"], "REDBATCH_DEVICE": "cpu"}}
+
+
+# ------------------------------------------------------------- the services, run locally
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, timeout_s: float = 10.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return int(resp.status), resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def wait_http_ok(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    status: object = None
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"worker exited with {proc.returncode}"
+        try:
+            status = http_get(url, timeout_s=5)[0]
+            if status == 200:
+                return
+        except OSError as e:
+            status = e
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not answer 200 within {timeout_s}s (last: {status})")
+
+
+@dataclass
+class LiveService:
+    name: str
+    service: dict[str, Any]
+    env: dict[str, str]
+    metrics_url: str
+    proc: subprocess.Popen[bytes]
+
+
+@pytest.fixture(scope="module", params=redbatch_services(load_compose()))
+def live_service(request: pytest.FixtureRequest, redis_url: str,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveService]:
+    """A compose service's command run here as its container would run it, having served
+    one photo: the container's environment, except Redis (the test's), device (cpu) and the
+    metrics port (a free one)."""
+    name = request.param
+    service = load_compose()["services"][name]
+    port = free_port()
+    env = {**service_env(service), "REDBATCH_REDIS_URL": redis_url, "REDBATCH_DEVICE": "cpu",
+           "REDBATCH_METRICS_PORT": str(port), "REDBATCH_METRICS_HOST": "127.0.0.1"}
+    redis.Redis.from_url(redis_url).flushall()
+    exe = Path(sys.executable).parent / service["command"][0]
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    log_path = tmp_path_factory.mktemp(name) / "worker.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([str(exe), *service["command"][1:]], env={**inherited, **env},
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        wait_worker_ready(redis_url, Keys(env["REDBATCH_MODEL"]), proc)
+        wait_http_ok(f"http://127.0.0.1:{port}/readyz", proc)
+        with Client(redis_url, model=env["REDBATCH_MODEL"]) as client:
+            result = client.predict((SAMPLES / "cat.jpg").read_bytes(), timeout_s=120)
+        assert result.ok and isinstance(result.output["label"], str), result
+        yield LiveService(name, service, env, f"http://127.0.0.1:{port}/metrics", proc)
+    except BaseException:
+        print(log_path.read_text(errors="replace")[-5000:])
+        raise
+    finally:
+        assert stop_worker(proc) == 0
+
+
+def test_service_serves_and_answers_metrics(live_service: LiveService) -> None:
+    status, text = http_get(live_service.metrics_url)
+    assert status == 200
+    assert label_values(text, "redbatch_worker_info", "model") == {
+        live_service.env["REDBATCH_MODEL"]}
+    assert http_get(live_service.metrics_url.replace("/metrics", "/healthz"))[0] == 200
+
+
+def test_service_healthcheck_passes(live_service: LiveService) -> None:
+    """The container's healthcheck command, run here: `python` is the image's interpreter."""
+    kind, *command = live_service.service["healthcheck"]["test"]
+    assert kind == "CMD" and command[0] == "python"
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    out = subprocess.run([sys.executable, *command[1:]], env={**inherited, **live_service.env},
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+
+
+def monitored_metric_names() -> dict[str, set[str]]:
+    """Metric names each monitoring file refers to (dashboards and the Prometheus config)."""
+    found = {name: set().union(*map(metric_names, dashboard_queries(d)))
+             for name, d in load_dashboards().items()}
+    found[PROMETHEUS_CONFIG.name] = metric_names(PROMETHEUS_CONFIG.read_text())
+    return found
+
+
+def test_monitoring_names_only_metrics_a_live_worker_exports(live_service: LiveService) -> None:
+    wanted = set().union(*monitored_metric_names().values())
+    # Stream gauges are sampled every ~2 s after start: give them a few rounds.
+    deadline = time.monotonic() + 15
+    while True:
+        text = http_get(live_service.metrics_url)[1]
+        series, types = exposition_series(text)
+        missing = wanted - series
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    if label_values(text, "redbatch_worker_info", "device") <= {"cpu"}:
+        missing -= CUDA_ONLY
+    assert not missing, f"named by the dashboard or Prometheus, not exported: {sorted(missing)}"
+
+
+def test_dashboard_rates_only_counters(live_service: LiveService) -> None:
+    """rate() of a gauge is a silent nonsense graph: every rate is over a counter's series."""
+    series, types = exposition_series(http_get(live_service.metrics_url)[1])
+    counted = {n for n, kind in types.items() if kind == "counter"}
+    counted |= {n + s for n, kind in types.items() if kind in ("histogram", "summary")
+                for s in ("_sum", "_count", "_bucket")}
+    for dashboard in load_dashboards().values():
+        for query in dashboard_queries(dashboard):
+            # Names not exported at all are the test above's to report.
+            assert rate_arguments(query) & series <= counted, query
+
+
+# --------------------------------------------------------------- Prometheus and Grafana
+
+
+def test_dashboard_shows_what_operators_need() -> None:
+    names = monitored_metric_names()["redbatch.json"]
+    for needed in ("redbatch_requests_total", "redbatch_request_seconds_bucket",
+                   "redbatch_batch_size_bucket", "redbatch_inferences_total",
+                   "redbatch_executions_total", "redbatch_stream_length",
+                   "redbatch_stream_pending", "redbatch_stream_lag",
+                   "redbatch_gpu_memory_allocated_bytes", "redbatch_dead_letters",
+                   "redbatch_reclaimed_total", "redbatch_shm_slots_in_use",
+                   "redbatch_pool_busy_processes"):
+        assert needed in names, needed
+    queries = dashboard_queries(load_dashboards()["redbatch.json"])
+    for q in ("0.5", "0.95", "0.99"):
+        assert any(f"histogram_quantile({q}, sum by (le, lane)" in e for e in queries), q
+    assert any('outcome!="ok"' in e for e in queries), "errors by code"
+
+
+def test_prometheus_scrapes_every_worker_service() -> None:
+    compose = load_compose()
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    sd = [c for job in config["scrape_configs"] for c in job.get("dns_sd_configs", [])]
+    # Type A on the service name: Docker's DNS returns every replica of a scaled service.
+    targets = {(name, c["port"]) for c in sd if c.get("type", "SRV") == "A" for name in c["names"]}
+    for name in redbatch_services(compose):
+        port = int(service_env(compose["services"][name])["REDBATCH_METRICS_PORT"])
+        assert (name, port) in targets, name
+    prometheus = compose["services"]["prometheus"]
+    config_flag = next(a for a in prometheus["command"] if a.startswith("--config.file="))
+    assert host_path(prometheus, config_flag.split("=", 1)[1]) == PROMETHEUS_CONFIG
+
+
+def test_grafana_provisions_the_datasource_and_dashboards() -> None:
+    compose = load_compose()
+    grafana = compose["services"]["grafana"]
+    assert host_path(grafana, "/etc/grafana/provisioning") == PROVISIONING
+    sources = [yaml.safe_load(p.read_text())["datasources"]
+               for p in (PROVISIONING / "datasources").glob("*.yml")]
+    (source,) = [s for group in sources for s in group]
+    assert source["type"] == "prometheus"
+    host, port = source["url"].removeprefix("http://").split(":")
+    assert host in compose["services"] and int(port) == 9090
+
+    providers = [p for f in (PROVISIONING / "dashboards").glob("*.yml")
+                 for p in yaml.safe_load(f.read_text())["providers"]]
+    folders = {host_path(grafana, p["options"]["path"]) for p in providers}
+    dashboards = load_dashboards()
+    assert dashboards and folders == {ROOT / "deploy" / "grafana" / "dashboards"}
+    home = host_path(grafana, grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"])
+    assert home is not None and home.name in dashboards
+
+    for dashboard in dashboards.values():
+        for panel in dashboard["panels"]:
+            if panel["type"] == "row":
+                continue
+            assert panel["datasource"]["uid"] == source["uid"], panel["title"]
+            assert all(t["expr"] for t in panel["targets"]), panel["title"]

@@ -15,7 +15,8 @@ from PIL import Image
 from redbatch.common.config import LimitSettings
 from redbatch.gpu_worker.efficientnet_lite import load_efficientnet_lite0
 from redbatch.gpu_worker.handlers import EfficientNetLite0, Handler, imagenet_labels
-from redbatch.gpu_worker.model import ModelRunner, resolve_device
+from redbatch.gpu_worker.model import ModelRunner, next_batch_limit, resolve_device
+from redbatch.gpu_worker.profile import Variant
 from redbatch.preproc_worker.decode import normalise_into, open_image, resize_center_crop
 from redbatch.preproc_worker.shm import SlotArray
 
@@ -94,3 +95,153 @@ def test_draft_decoding_of_a_large_jpeg_keeps_the_prediction(runner: Device) -> 
         logits = model(torch.from_numpy(full)[None])
     assert int(logits.argmax()) == drafted["class_id"]
     assert drafted["label"] in CAT_LABELS
+
+
+# ------------------------------------------------------------------ device path on CPU
+
+
+class Tiny:
+    """A handler around any callable, for the device path's own logic."""
+
+    input_shape = (3, 4, 4)
+    input_dtype = "float32"
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def preprocess(self, payload: bytes, content_type: str, params: Any, out: Any) -> None:
+        raise NotImplementedError
+
+    def load(self, device: torch.device) -> Any:
+        return self.model
+
+    def postprocess(self, outputs: torch.Tensor, params: Any) -> list[Any]:
+        return outputs.tolist()
+
+
+def tiny_slots(n: int) -> np.ndarray:
+    slots = np.zeros((n, 3, 4, 4), np.float32)
+    for i in range(n):
+        slots[i] = i  # slot i holds the value i everywhere
+    return slots
+
+
+def test_channels_last_gives_the_plain_outputs(runner: Device) -> None:
+    cat, coffee = ((SAMPLES / n).read_bytes() for n in ("cat.jpg", "coffee.jpg"))
+    for i, data in enumerate([cat, coffee, cat]):
+        runner.handler.preprocess(data, "", {}, runner.slots.array[i])
+    plain = runner.runner.submit([0, 1, 2], [{}] * 3)
+    cl = ModelRunner(EfficientNetLite0(LimitSettings()), resolve_device("cpu"),
+                     runner.slots.array, 8, Variant(channels_last=True))
+    fast = cl.submit([0, 1, 2], [{}] * 3)
+    assert plain.outputs is not None and fast.outputs is not None
+    assert fast.outputs.shape == (3, 1000)
+    torch.testing.assert_close(fast.outputs, plain.outputs, rtol=1e-4, atol=1e-3)
+    outs = cl.collect(fast)
+    assert outs[0].output["label"] in CAT_LABELS and outs[1].output["label"] in COFFEE_LABELS
+    cl.close()
+
+
+def test_bf16_autocast_on_cpu_keeps_the_top_class_and_returns_float32(runner: Device) -> None:
+    runner.handler.preprocess((SAMPLES / "coffee.jpg").read_bytes(), "", {},
+                              runner.slots.array[0])
+    plain = runner.runner.submit([0], [{}])
+    bf16 = ModelRunner(EfficientNetLite0(LimitSettings()), resolve_device("cpu"),
+                       runner.slots.array, 8, Variant(autocast="bfloat16"))
+    job = bf16.submit([0], [{}])
+    assert job.error is None and job.outputs is not None and plain.outputs is not None
+    assert int(job.outputs.argmax()) == int(plain.outputs.argmax())
+    (out,) = bf16.collect(job)
+    assert out.output["label"] in COFFEE_LABELS
+    bf16.close()
+
+
+def test_cpu_path_is_plain_no_streams_no_pinning() -> None:
+    run = ModelRunner(Tiny(lambda x: x.mean(dim=(1, 2, 3))), torch.device("cpu"),
+                      tiny_slots(4), 4)
+    assert not run.pipelined and run._copy_stream is None and run._compute_stream is None
+    assert not any(h.is_pinned() for h in run._host)
+    job = run.submit([3, 1], [{}, {}])
+    assert job.done is None and job.outputs is not None, "computed at submit on CPU"
+    assert [o.output for o in run.collect(job)] == [3.0, 1.0] and job.run_s > 0
+
+
+def test_double_buffers_never_let_a_later_batch_overwrite_earlier_outputs() -> None:
+    # The model returns a view into its input, i.e. into the host buffer itself.
+    run = ModelRunner(Tiny(lambda x: x[:, 0, 0, 0]), torch.device("cpu"), tiny_slots(6), 2)
+    first = run.submit([1, 2], [{}, {}])
+    second = run.submit([3, 4], [{}, {}])
+    third = run.submit([5, 0], [{}, {}])  # back in the first batch's buffer
+    assert [o.output for o in run.collect(first)] == [1.0, 2.0]
+    assert [o.output for o in run.collect(second)] == [3.0, 4.0]
+    assert [o.output for o in run.collect(third)] == [5.0, 0.0]
+
+
+def test_padding_runs_the_preferred_size_and_returns_only_real_rows() -> None:
+    seen: list[int] = []
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        seen.append(len(x))
+        return x.mean(dim=(1, 2, 3))
+
+    run = ModelRunner(Tiny(model), torch.device("cpu"), tiny_slots(8), 8)
+    outs = run.run([2, 5, 7], [{}] * 3, pad_to=8)
+    assert seen == [8] and [o.output for o in outs] == [2.0, 5.0, 7.0]
+    job = run.submit([1, 2], [{}] * 2, pad_to=16)  # over the max batch: an error, not a crash
+    assert isinstance(job.error, ValueError)
+
+
+def test_collect_isolates_the_failing_request() -> None:
+    def model(x: torch.Tensor) -> torch.Tensor:
+        if (x[:, 0, 0, 0] == 3).any():
+            raise RuntimeError("bad input")
+        return x.mean(dim=(1, 2, 3))
+
+    run = ModelRunner(Tiny(model), torch.device("cpu"), tiny_slots(6), 4)
+    outs = run.collect(run.submit([1, 3, 5, 2], [{}] * 4))
+    assert [o.output for o in outs] == [1.0, None, 5.0, 2.0]
+    assert outs[1].error is not None and "bad input" in outs[1].message
+
+
+def test_warmup_times_each_size_once_warm() -> None:
+    run = ModelRunner(Tiny(lambda x: x.mean(dim=(1, 2, 3))), torch.device("cpu"),
+                      tiny_slots(4), 4)
+    timings = run.warmup([1, 4, 9])
+    assert sorted(timings) == [1, 4] and all(t > 0 for t in timings.values())
+
+
+@pytest.mark.parametrize("limit, headroom_mib, expected", [
+    (64, 500, 32),     # under the 1 GiB watermark: halve
+    (1, 10, 1),        # never below 1
+    (32, 1024 + 2 * 32 * 10 + 1, 64),  # room for the watermark and twice the activations: double
+    (32, 1024 + 100, 32),  # above the watermark but not by much: keep
+    (64, 100_000, 64),  # never past the max
+])
+def test_memory_watermark_lowers_and_restores_the_batch_limit(limit: int, headroom_mib: int,
+                                                              expected: int) -> None:
+    mib = 2**20
+    assert next_batch_limit(limit, 64, headroom_mib * mib, 1024 * mib, 10 * mib) == expected
+
+
+def test_cpu_lanes_run_batches_at_once_and_keep_them_apart() -> None:
+    import time as clock
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        clock.sleep(0.3)  # a forward pass that leaves the GIL, as torch's kernels do
+        if (x[:, 0, 0, 0] == 5).any():
+            raise RuntimeError("bad input")
+        return x[:, 0, 0, 0]  # a view into the host buffer
+
+    run = ModelRunner(Tiny(model), torch.device("cpu"), tiny_slots(8), 2, lanes=2)
+    assert run.depth == 2 and not run.pipelined
+    start = clock.perf_counter()
+    first, second = run.submit([1, 2], [{}] * 2), run.submit([3, 4], [{}] * 2)
+    assert first.done is not None, "handed to a lane, not run at submit"
+    third = run.submit([6, 7], [{}] * 2)  # reuses the first's buffer once it is done
+    assert [o.output for o in run.collect(first)] == [1.0, 2.0]
+    assert [o.output for o in run.collect(second)] == [3.0, 4.0]
+    assert clock.perf_counter() - start < 0.55, "the first two ran at once"
+    assert [o.output for o in run.collect(third)] == [6.0, 7.0]
+    outs = run.collect(run.submit([5, 0], [{}] * 2))  # failing in a lane: isolated
+    assert outs[0].error is not None and outs[1].output == 0.0
+    run.close()

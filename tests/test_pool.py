@@ -116,3 +116,17 @@ def test_slot_allocator_recycles_and_refuses_double_release() -> None:
     with pytest.raises(ValueError):
         alloc.release(a)
     assert alloc.acquire() == a
+
+
+def test_urgent_tasks_go_first_and_in_arrival_order() -> None:
+    # One process with its two prefetched places taken by slow tasks: the rest wait, and
+    # must come out interactive first, oldest first (newest-first starved the oldest).
+    run = Running(processes=1)
+    try:
+        busy = [run.pool.submit(i, SLOW + b"x", "", {}) for i in range(2)]
+        bulk = [run.pool.submit(i, CAT, "", {}) for i in range(2, 5)]
+        urgent = [run.pool.submit(i, CAT, "", {}, urgent=True) for i in range(5, 9)]
+        order = list(run.collect(9))
+    finally:
+        run.close()
+    assert order == busy + urgent + bulk

@@ -1,0 +1,335 @@
+"""Every Prometheus metric of a worker, and the HTTP server for /metrics, /healthz, /readyz.
+
+The metric contract (README "Metrics and health"; the Grafana dashboard and the Prometheus
+config use these names). Every metric has the label ``model``; others are listed. Gauges
+marked "sampled" are refreshed every 1-2 s; everything else is recorded as it happens.
+
+  counters
+  redbatch_requests_total                lane, outcome      a result written
+  redbatch_executions_total                                 a batch run
+  redbatch_inferences_total                                 a batch run (+ its size)
+  redbatch_dead_lettered_total                              an entry put in the DLQ
+  redbatch_reclaimed_total                                  a job taken over
+  histograms, seconds
+  redbatch_queue_seconds                 lane               ok result: time in Redis
+  redbatch_preprocess_seconds                               ok result: decode in the pool
+  redbatch_batch_wait_seconds                               ok result: waiting for its batch
+  redbatch_request_seconds               lane               ok result: end to end
+  redbatch_inference_seconds                                a batch run: its run time
+  redbatch_batch_size                                       a batch run: requests in it
+  redbatch_batch_fill_ratio                                 a batch run: size / largest
+  gauges
+  redbatch_inflight_requests                                sampled: read, not answered
+  redbatch_pool_processes                                   at start
+  redbatch_pool_busy_processes                              sampled
+  redbatch_shm_slots                                        at start (= most in flight)
+  redbatch_shm_slots_in_use                                 sampled
+  redbatch_stream_length                 lane               sampled from Redis
+  redbatch_stream_pending                lane               sampled from Redis
+  redbatch_stream_lag                    lane               sampled from Redis
+  redbatch_dead_letters                                     sampled from Redis
+  redbatch_gpu_memory_allocated_bytes    device             sampled, CUDA only
+  redbatch_gpu_memory_reserved_bytes     device             sampled, CUDA only
+  redbatch_worker_info (always 1)        version, device, max_batch_size, consumer
+
+``outcome`` is ``ok`` or the error code of the result (``expired``, ``bad_image``, ...).
+Latency histograms hold ok results only, so an error answered in a millisecond does not
+pull the percentiles down. Mean batch size is ``rate(inferences) / rate(executions)``,
+as with Triton. Stream and dead-letter gauges describe Redis, not this worker: every
+worker reports the same values, so aggregate them with ``max``.
+
+Why no multi-process registry: pool processes measure their decode time and send it back
+with each record, so only the worker process records metrics. The registry is the
+worker's own (not prometheus_client's global one), so a process may hold several.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    generate_latest,
+)
+from redbatch.common.protocol import Lane, Status
+
+logger = logging.getLogger(__name__)
+
+#: Latency buckets, seconds: a millisecond stage to half a minute in a queue.
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                     1.0, 2.5, 5.0, 10.0, 30.0)
+#: The same for every worker, whatever its largest batch, so fleets aggregate.
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+FILL_BUCKETS = (0.125, 0.25, 0.5, 0.75, 1.0)
+#: Stage in the result timings (ms) -> (histogram, whether it has the lane label).
+_STAGES = {"queue_ms": ("queue", True), "preprocess_ms": ("preprocess", False),
+           "batch_wait_ms": ("batch_wait", False), "total_ms": ("request", True)}
+_STAGE_DOCS = {"queue": "Time in the Redis stream before a worker read it",
+               "preprocess": "Decode and preprocessing time in the pool",
+               "batch_wait": "Time a preprocessed request waited for its batch to run",
+               "request": "End to end: Redis accepted the job to its result written"}
+
+
+class WorkerMetrics:
+    """The metrics of one worker, on its own registry. Thread-safe (prometheus_client locks)."""
+
+    def __init__(self, model: str, max_batch_size: int) -> None:
+        # The *_created series would double the series count and no dashboard uses them.
+        disable_created_metrics()  # type: ignore[no-untyped-call]
+        self.registry = CollectorRegistry()
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self._declare_requests()
+        self._declare_batches()
+        self._declare_state()
+        self._gpu: tuple[Gauge, Gauge] | None = None
+
+    # ------------------------------------------------------------------ declarations
+
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        return Counter(name, doc, ["model", *labels], registry=self.registry)
+
+    def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+        return Gauge(name, doc, ["model", *labels], registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...],
+                   labels: tuple[str, ...] = ()) -> Histogram:
+        return Histogram(name, doc, ["model", *labels], buckets=buckets, registry=self.registry)
+
+    def _declare_requests(self) -> None:
+        self.requests = self._counter("redbatch_requests_total",
+                                      "Results written, by lane and outcome (ok or error code).",
+                                      ("lane", "outcome"))
+        self.stages = {stage: self._histogram(f"redbatch_{stage}_seconds",
+                                              f"{_STAGE_DOCS[stage]}, ok results, s.",
+                                              LATENCY_BUCKETS_S, ("lane",) if by_lane else ())
+                       for stage, by_lane in _STAGES.values()}
+        m = self.model
+        self.dead_lettered = self._counter("redbatch_dead_lettered_total", "Entries this "
+                                           "worker put in the dead-letter stream.").labels(m)
+        self.reclaimed_jobs = self._counter(
+            "redbatch_reclaimed_total", "Jobs delivered before, taken over from a dead or "
+            "stuck worker (or re-read after a restart under the same consumer name).").labels(m)
+        for lane in Lane:  # series exist from the start, so rate() works from the first job
+            self.requests.labels(m, lane.value, Status.OK.value)
+        for stage, by_lane in _STAGES.values():
+            for labels in ([(m, lane.value) for lane in Lane] if by_lane else [(m,)]):
+                self.stages[stage].labels(*labels)
+
+    def _declare_batches(self) -> None:
+        m = self.model
+        self.executions = self._counter("redbatch_executions_total",
+                                        "Batches run by the model.").labels(m)
+        self.inferences = self._counter("redbatch_inferences_total",
+                                        "Requests run by the model, over all batches.").labels(m)
+        self.inference_s = self._histogram("redbatch_inference_seconds", "Model run time of "
+                                           "one batch, s.", LATENCY_BUCKETS_S).labels(m)
+        self.batch_size = self._histogram("redbatch_batch_size", "Requests per batch.",
+                                          BATCH_SIZE_BUCKETS).labels(m)
+        self.batch_fill = self._histogram("redbatch_batch_fill_ratio", "Batch size over the "
+                                          "largest batch.", FILL_BUCKETS).labels(m)
+
+    def _declare_state(self) -> None:
+        m = self.model
+        self.inflight = self._gauge("redbatch_inflight_requests",
+                                    "Jobs read from Redis and not yet answered.").labels(m)
+        self.pool_processes = self._gauge("redbatch_pool_processes",
+                                          "Preprocessing processes.").labels(m)
+        self.pool_busy = self._gauge("redbatch_pool_busy_processes",
+                                     "Preprocessing processes working on a job.").labels(m)
+        self.shm_slots = self._gauge("redbatch_shm_slots",
+                                     "Shared-memory slots (= most jobs in flight).").labels(m)
+        self.shm_in_use = self._gauge("redbatch_shm_slots_in_use",
+                                      "Shared-memory slots holding a job.").labels(m)
+        self.stream_length = self._gauge("redbatch_stream_length", "Entries in the lane's "
+                                         "stream: queued or in progress.", ("lane",))
+        self.stream_pending = self._gauge("redbatch_stream_pending", "Entries read by a worker "
+                                          "and not yet answered.", ("lane",))
+        self.stream_lag = self._gauge("redbatch_stream_lag",
+                                      "Entries no worker has read yet.", ("lane",))
+        for lane in Lane:
+            for gauge in (self.stream_length, self.stream_pending, self.stream_lag):
+                gauge.labels(m, lane.value)
+        self.dead_letters = self._gauge("redbatch_dead_letters",
+                                        "Entries in the dead-letter stream.").labels(m)
+        self.info = Info("redbatch_worker", "The worker's version, device and largest batch.",
+                         ["model"], registry=self.registry)
+
+    # ------------------------------------------------------------------ recording
+
+    def started(self, consumer: str, version: str, device: str, pool_processes: int,
+                shm_slots: int) -> None:
+        """The model is loaded on ``device``: set the fixed values (GPU gauges on CUDA)."""
+        self.info.labels(self.model).info({"version": version, "device": device,
+                                           "max_batch_size": str(self.max_batch_size),
+                                           "consumer": consumer})
+        self.pool_processes.set(pool_processes)
+        self.shm_slots.set(shm_slots)
+        if device.startswith("cuda") and self._gpu is None:
+            self._gpu = (self._gauge("redbatch_gpu_memory_allocated_bytes",
+                                     "GPU memory held by tensors, bytes.", ("device",)),
+                         self._gauge("redbatch_gpu_memory_reserved_bytes",
+                                     "GPU memory reserved by torch's allocator, bytes.",
+                                     ("device",)))
+
+    def answered(self, lane: str, outcome: str, timings: Mapping[str, float] | None,
+                 dead_lettered: bool = False) -> None:
+        """One entry answered (``outcome``: ``ok`` or an error code); ``timings`` in ms."""
+        self.requests.labels(self.model, lane, outcome).inc()
+        if dead_lettered:
+            self.dead_lettered.inc()
+        if outcome != Status.OK.value or not timings:
+            return
+        for field, (stage, by_lane) in _STAGES.items():
+            if field in timings:
+                labels = (self.model, lane) if by_lane else (self.model,)
+                self.stages[stage].labels(*labels).observe(timings[field] / 1000)
+
+    def batch(self, size: int, seconds: float) -> None:
+        """One model execution of ``size`` requests that took ``seconds``."""
+        self.executions.inc()
+        self.inferences.inc(size)
+        self.inference_s.observe(seconds)
+        self.batch_size.observe(size)
+        self.batch_fill.observe(size / self.max_batch_size)
+
+    def reclaimed(self, n: int) -> None:
+        if n:
+            self.reclaimed_jobs.inc(n)
+
+    def loop_state(self, inflight: int, shm_in_use: int, pool_busy: int) -> None:
+        self.inflight.set(inflight)
+        self.shm_in_use.set(shm_in_use)
+        self.pool_busy.set(pool_busy)
+
+    def stream_state(self, lane: str, length: int, pending: int, lag: int) -> None:
+        self.stream_length.labels(self.model, lane).set(length)
+        self.stream_pending.labels(self.model, lane).set(pending)
+        self.stream_lag.labels(self.model, lane).set(lag)
+
+    def gpu_memory(self, device: str, allocated: int, reserved: int) -> None:
+        if self._gpu is not None:
+            self._gpu[0].labels(self.model, device).set(allocated)
+            self._gpu[1].labels(self.model, device).set(reserved)
+
+
+class Health:
+    """What /healthz and /readyz answer. Written by the worker's threads, read by the HTTP
+    thread; each field is one assignment, so no lock is needed."""
+
+    def __init__(self, stall_s: float = 60.0, redis_stale_s: float = 10.0) -> None:
+        #: The main loop has not stepped for this long: it hangs (it wakes at least every
+        #: 0.2 s), so /healthz fails and a supervisor may restart the worker.
+        self.stall_s = stall_s
+        #: No successful Redis round trip for this long: not ready.
+        self.redis_stale_s = redis_stale_s
+        self.model_loaded = False
+        self.stopping = False
+        self._stepped_at: float | None = None  # None while starting: loading is not a hang
+        self._redis_ok_at = float("-inf")
+
+    def stepped(self) -> None:
+        self._stepped_at = time.monotonic()
+
+    def redis_reached(self) -> None:
+        self._redis_ok_at = time.monotonic()
+
+    def alive(self) -> tuple[bool, str]:
+        stepped = self._stepped_at
+        if stepped is not None and time.monotonic() - stepped > self.stall_s:
+            return False, f"main loop stalled for {time.monotonic() - stepped:.0f}s"
+        return True, "ok"
+
+    def ready(self) -> tuple[bool, str]:
+        if self.stopping:
+            return False, "stopping"
+        if not self.model_loaded:
+            return False, "model loading"
+        if time.monotonic() - self._redis_ok_at > self.redis_stale_s:
+            return False, "Redis not reachable"
+        return True, "ok"
+
+
+class MetricsServer:
+    """/metrics, /healthz (alive) and /readyz (model loaded, Redis reachable) on a daemon
+    thread; each request is answered from memory, never by calling Redis."""
+
+    def __init__(self, metrics: WorkerMetrics, health: Health) -> None:
+        self.metrics = metrics
+        self.health = health
+        self._server: ThreadingHTTPServer | None = None
+
+    def start(self, host: str, port: int) -> bool:
+        """Listen on ``host:port``; False (logged) when it cannot, e.g. the port is taken:
+        a worker without metrics still serves jobs."""
+        try:
+            server = _Server((host, port), _Handler)
+        except OSError as e:
+            logger.error("metrics server not started: cannot listen on %s:%d: %s "
+                         "(set --metrics-port; 0 disables it)", host, port, e)
+            return False
+        server.endpoints = self
+        self._server = server
+        threading.Thread(target=server.serve_forever, name="redbatch-metrics",
+                         daemon=True).start()
+        logger.info("metrics and health on http://%s:%d/metrics", host, self.port)
+        return True
+
+    @property
+    def port(self) -> int:
+        """The port listened on (the chosen one when started with port 0)."""
+        assert self._server is not None
+        return int(self._server.server_address[1])
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def respond(self, path: str) -> tuple[int, str, bytes]:
+        """(status, content type, body) for a GET of ``path``."""
+        if path == "/metrics":
+            return 200, CONTENT_TYPE_LATEST, generate_latest(self.metrics.registry)
+        probes = {"/healthz": self.health.alive, "/readyz": self.health.ready}
+        if path not in probes:
+            return 404, "text/plain", b"not found: try /metrics, /healthz or /readyz\n"
+        ok, reason = probes[path]()
+        return 200 if ok else 503, "text/plain", f"{reason}\n".encode()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    endpoints: MetricsServer
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        if ":" in address[0]:  # an IPv6 host such as "::"
+            self.address_family = socket.AF_INET6
+        super().__init__(address, handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+
+    def do_GET(self) -> None:
+        status, content_type, body = self.server.endpoints.respond(self.path.split("?", 1)[0])
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        # One line per scrape every few seconds would drown the worker's log.
+        logger.debug("metrics: " + format, *args)

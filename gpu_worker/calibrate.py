@@ -1,0 +1,385 @@
+"""Calibration: measure the model alone on the device, per variant and batch size, and choose.
+
+The measurements go through the worker's own device path (ModelRunner: gather
+from a slot array, copy, forward, copy back, postprocess), without Redis or a
+pool, for batch sizes 1, 2, 4, ... up to a cap. Variants (channels_last, and on
+CUDA autocast fp16/bf16; torch.compile when asked) are measured interleaved,
+run by run, so a noisy neighbour slows all of them alike and the comparison
+holds. A variant's sweep stops early when its throughput has clearly fallen,
+has stopped growing, its p95 latency is over the budget, or (CUDA) the next
+size would eat into the free-memory watermark.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+from redbatch.common.config import LimitSettings, model_name_from_spec
+from redbatch.gpu_worker.handlers import Handler, load_handler
+from redbatch.gpu_worker.model import DEFAULT_MEMORY_WATERMARK, ModelRunner, resolve_device
+from redbatch.gpu_worker.profile import (
+    DeviceInfo,
+    Measured,
+    Profile,
+    Row,
+    Variant,
+    choose,
+    default_profile_dir,
+    profile_path,
+    save_profile,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Largest batch tried when no cap is given: CPU throughput peaks far below this, and on
+#: CUDA the memory watermark or the plateau usually stops the sweep first.
+DEFAULT_CAP = {"cpu": 64, "cuda": 512}
+#: A sweep stops once throughput is below this share of its best so far at two sizes in a
+#: row (one slow size may be a noisy neighbour), or below CLEARLY_FALLEN at one.
+FALLEN_SHARE = 0.8
+CLEARLY_FALLEN = 0.6
+#: CPU: measurements that got less than this share of their threads' time (others were
+#: running) are marked contended; a worker measures a contended quick profile again.
+CONTENDED_SHARE = 0.75
+#: ... or when two doublings in a row gained less than this factor each.
+PLATEAU_GAIN = 1.02
+
+Model = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationSettings:
+    #: Largest batch size tried; None: DEFAULT_CAP for the device kind.
+    max_batch: int | None = None
+    #: p95 latency a batch may take, ms; None: no limit.
+    latency_budget_ms: float | None = None
+    #: Timed runs per batch size and variant (median and p95 are over these).
+    runs: int = 7
+    #: Untimed runs per size first (lazy init, cuDNN benchmarking, compilation).
+    warmup_runs: int = 2
+    #: Add torch.compile variants (CPU: 10-35 s of compilation per batch size, cold cache).
+    try_compile: bool = False
+    #: Only these variants, by name (e.g. "eager", "channels_last+fp16"); empty: all.
+    variants: tuple[str, ...] = ()
+    #: CUDA: share of device memory the sweep leaves free.
+    memory_watermark: float = DEFAULT_MEMORY_WATERMARK
+    #: Marks a worker's own quick calibration in the profile.
+    quick: bool = False
+    #: CPU: batches run at once, as the worker runs them (model.py cpu_lanes).
+    lanes: int = 1
+
+    @classmethod
+    def quick_settings(cls, max_batch: int | None) -> CalibrationSettings:
+        """The worker's calibration when no profile exists: few runs, same rules."""
+        return cls(max_batch=max_batch, runs=3, warmup_runs=1, quick=True)
+
+
+def candidate_variants(device: torch.device, try_compile: bool) -> list[Variant]:
+    """Variants worth trying on this device; the plain one first (it wins ties)."""
+    found = [Variant(), Variant(channels_last=True)]
+    if device.type == "cuda":
+        dtypes = ["float16"] + (["bfloat16"] if torch.cuda.is_bf16_supported() else [])
+        found += [Variant(cl, dt) for dt in dtypes for cl in (False, True)]
+    if try_compile:
+        found += [Variant(v.channels_last, v.autocast, compile=True) for v in found[1:]
+                  if device.type == "cuda" or v.autocast is None]
+    return found
+
+
+def parse_variant(name: str) -> Variant:
+    """'eager', 'channels_last', 'fp16', 'channels_last+bf16+compile', ...; ValueError else."""
+    parts = set(name.split("+")) - {"eager"}
+    unknown = parts - {"channels_last", "fp16", "bf16", "compile"}
+    if unknown or {"fp16", "bf16"} <= parts:
+        raise ValueError(f"unknown variant {name!r}: combine channels_last, fp16 or bf16, "
+                         "compile with '+', or say eager")
+    autocast = "float16" if "fp16" in parts else "bfloat16" if "bf16" in parts else None
+    return Variant("channels_last" in parts, autocast, "compile" in parts)
+
+
+def device_info(device: torch.device, lanes: int = 1) -> DeviceInfo:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return DeviceInfo("cuda", props.name, torch.get_num_threads(), int(props.total_memory))
+    return DeviceInfo("cpu", cpu_name(), torch.get_num_threads(), lanes=lanes)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def fingerprint(handler: Handler, model: Model) -> str:
+    """A hash of the handler's class, the input shape and (for modules) every tensor of the
+    state dict: names, dtypes, shapes and values. Another checkpoint, another fingerprint."""
+    h = hashlib.sha256()
+    h.update(f"{type(handler).__qualname__}|{handler.input_shape}|{handler.input_dtype}|"
+             f"{type(model).__qualname__}".encode())
+    if isinstance(model, torch.nn.Module):
+        for name, tensor in model.state_dict().items():
+            flat = tensor.detach().cpu().contiguous().reshape(-1)
+            h.update(f"{name}|{flat.dtype}|{tuple(tensor.shape)}".encode())
+            h.update(flat.view(torch.uint8).numpy())
+    return "sha256:" + h.hexdigest()[:32]
+
+
+def batch_sizes(cap: int) -> list[int]:
+    """1, 2, 4, ... up to ``cap``, and ``cap`` itself."""
+    sizes = [1 << i for i in range(cap.bit_length()) if 1 << i <= cap]
+    return sizes if sizes[-1] == cap else [*sizes, cap]
+
+
+def between_sizes(max_batch: int) -> list[int]:
+    """The size just below each power of two from 4 up to ``max_batch`` (3, 7, 15, ...):
+    where a rounded-up batch (8 against 7) may be faster on some devices."""
+    return [s - 1 for s in batch_sizes(max_batch) if s >= 4 and s & (s - 1) == 0]
+
+
+def _slot_array(cap: int, handler: Handler) -> np.ndarray:
+    """Inputs in a plain array shaped like the worker's shared-memory slots."""
+    shape = (cap, *handler.input_shape)
+    if np.issubdtype(np.dtype(handler.input_dtype), np.floating):
+        rng = np.random.default_rng(0)
+        return rng.standard_normal(shape, dtype=np.float32).astype(handler.input_dtype)
+    return np.zeros(shape, dtype=handler.input_dtype)  # any index or pixel value is valid
+
+
+class _Sweep:
+    """Runners of every variant over one slot array, timed run by run in turn."""
+
+    def __init__(self, handler: Handler, model: Model, device: torch.device,
+                 variants: Sequence[Variant], cap: int, settings: CalibrationSettings) -> None:
+        self.device = device
+        self.settings = settings
+        self.slots = _slot_array(cap, handler)
+        copies: dict[bool, Model] = {False: model}
+        if any(v.channels_last for v in variants):
+            # Interleaving needs both memory formats at once: a second copy of the weights.
+            copies[True] = model if all(v.channels_last for v in variants) \
+                else copy.deepcopy(model)
+        self.runners: dict[Variant, ModelRunner] = {}
+        for v in variants:
+            shared = next(iter(self.runners.values()))._host if self.runners else None
+            self.runners[v] = ModelRunner(handler, device, self.slots, cap, v,
+                                          model=copies[v.channels_last],
+                                          memory_watermark=settings.memory_watermark,
+                                          host_buffers=shared, lanes=settings.lanes)
+        self.at_once = self.runners[variants[0]].depth if device.type == "cpu" else 1
+        self.wall_s = 0.0
+        self.cpu_s = 0.0
+
+    @property
+    def cpu_share(self) -> float | None:
+        """CPU: the share of its threads' time the timed runs got (1.0 on a quiet machine;
+        less when other processes took cores). None on CUDA."""
+        if self.device.type != "cpu" or self.wall_s == 0:
+            return None
+        return self.cpu_s / (self.wall_s * torch.get_num_threads() * self.at_once)
+
+    def time_size(self, size: int, active: list[Variant]) -> dict[Variant, Row | str]:
+        """A Row per variant, or the reason it cannot run this size (out of memory)."""
+        ids = list(range(size))
+        params: list[dict[str, object]] = [{}] * size
+        failed: dict[Variant, Row | str] = {}
+        for v in active:
+            for _ in range(self.settings.warmup_runs):
+                self._run(v, ids, params, failed)
+        times: dict[Variant, list[float]] = {v: [] for v in active}
+        peaks: dict[Variant, int] = {}
+        for _ in range(self.settings.runs):
+            for v in (v for v in active if v not in failed):
+                base = self._reset_peak()
+                start, cpu = time.perf_counter(), time.process_time()
+                self._run(v, ids, params, failed)
+                times[v].append(time.perf_counter() - start)
+                self.wall_s += times[v][-1]
+                self.cpu_s += time.process_time() - cpu
+                peaks[v] = max(peaks.get(v, 0), self._peak() - base)
+        for v in (v for v in active if v not in failed):
+            ms = np.asarray(times[v]) * 1000
+            failed[v] = Row(size, float(np.median(ms)), float(np.percentile(ms, 95)),
+                            len(ms), peaks[v] if self.device.type == "cuda" else None,
+                            self.at_once)
+        return failed
+
+    def _run(self, v: Variant, ids: list[int], params: list[dict[str, object]],
+             failed: dict[Variant, Row | str]) -> None:
+        if v in failed:
+            return
+        runner = self.runners[v]
+        try:
+            # As many batches at once as the worker runs (CPU lanes), each waited for.
+            jobs = [runner.submit(ids, params) for _ in range(self.at_once)]
+            for job in jobs:
+                runner.finish(job)
+        except torch.cuda.OutOfMemoryError:
+            failed[v] = f"out of memory at batch {len(ids)}"
+            torch.cuda.empty_cache()
+
+    def _reset_peak(self) -> int:
+        """Bytes allocated now (weights, buffers), from which a run's peak is measured."""
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def _peak(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device)) \
+            if self.device.type == "cuda" else 0
+
+    def memory_stop(self, rows: Sequence[Row], next_size: int) -> str:
+        """CUDA: why ``next_size`` must not be tried (it would pass the watermark), or ''."""
+        if self.device.type != "cuda" or not rows or rows[-1].peak_memory_bytes is None:
+            return ""
+        free, total = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        last, peak = rows[-1], rows[-1].peak_memory_bytes
+        more = peak * (next_size / last.batch_size - 1)
+        if free + cached - more < self.settings.memory_watermark * total:
+            return (f"batch {next_size} would leave less than {self.settings.memory_watermark:.0%}"
+                    " of device memory free")
+        return ""
+
+
+def stop_reason(rows: Sequence[Row], latency_budget_ms: float | None) -> str:
+    """Why a sweep should not try a larger size, from its rows so far (ascending), or ''."""
+    last = rows[-1]
+    best = max(r.images_per_s for r in rows)
+    fallen = len(rows) >= 3 and all(r.images_per_s < FALLEN_SHARE * best for r in rows[-2:])
+    if fallen or last.images_per_s < CLEARLY_FALLEN * best:
+        return f"throughput fell to {last.images_per_s / best:.0%} of its best"
+    if latency_budget_ms is not None and last.p95_ms > latency_budget_ms:
+        return f"p95 {last.p95_ms:.1f} ms over the {latency_budget_ms:g} ms budget"
+    if len(rows) >= 3 and all(rows[i].images_per_s < PLATEAU_GAIN * rows[i - 1].images_per_s
+                              for i in (-1, -2)):
+        return "throughput stopped growing"
+    return ""
+
+
+def sweep(handler: Handler, model: Model, device: torch.device, variants: Sequence[Variant],
+          cap: int, settings: CalibrationSettings,
+          report: Callable[[str], None] = logger.info) -> tuple[list[Measured], _Sweep]:
+    """Measure every variant for sizes 1, 2, 4, ... up to ``cap``, interleaved."""
+    runs = _Sweep(handler, model, device, variants, cap, settings)
+    rows: dict[Variant, list[Row]] = {v: [] for v in variants}
+    stopped: dict[Variant, str] = {}
+    for size in batch_sizes(cap):
+        active = [v for v in variants if v not in stopped]
+        for v in active:
+            if why := runs.memory_stop(rows[v], size):
+                stopped[v] = why
+        active = [v for v in active if v not in stopped]
+        if not active:
+            break
+        for v, got in runs.time_size(size, active).items():
+            if isinstance(got, str):
+                stopped[v] = got
+                continue
+            rows[v].append(got)
+            report(f"  {v.name:<24} batch {size:4d}: {got.median_ms:9.1f} ms  "
+                   f"{got.images_per_s:8.1f} img/s")
+            if why := stop_reason(rows[v], settings.latency_budget_ms):
+                stopped[v] = why
+    return [Measured(v, tuple(rows[v]), stopped.get(v, f"cap {cap}")) for v in variants], runs
+
+
+def calibrate(handler: Handler, model: Model, device: torch.device, spec: str, name: str,
+              settings: CalibrationSettings,
+              report: Callable[[str], None] = logger.info) -> Profile:
+    """Warm up, measure, choose; returns the profile (the caller saves it).
+
+    ``model`` is the loaded model, as ``handler.load(device)`` returned it; it is
+    changed in place (memory format) and may be copied once.
+    """
+    fp = fingerprint(handler, model)
+    cap = settings.max_batch or DEFAULT_CAP.get(device.type, 64)
+    names = settings.variants
+    variants = [parse_variant(n) for n in names] if names else \
+        candidate_variants(device, settings.try_compile)
+    info = device_info(device)
+    report(f"calibrating {name} on {info.kind} ({info.name}, {info.torch_threads} torch threads):"
+           f" variants {', '.join(v.name for v in variants)}; batch sizes up to {cap}")
+    measured, runs = sweep(handler, model, device, variants, cap, settings, report)
+    choice = choose(measured, settings.latency_budget_ms)
+    # Sizes just below the powers of two, for the chosen variant only: may round up pay?
+    extra = [s for s in between_sizes(choice.max_batch_size)
+             if s not in {r.batch_size for m in measured for r in m.rows}]
+    extra_rows = [got for s in extra
+                  for got in runs.time_size(s, [choice.variant]).values()
+                  if isinstance(got, Row)]
+    choice = choose(measured, settings.latency_budget_ms, extra_rows=extra_rows)
+    return Profile(model=name, model_spec=spec, fingerprint=fp, device=info,
+                   torch_version=torch.__version__,
+                   created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                   settings={"latency_budget_ms": settings.latency_budget_ms, "max_batch_cap": cap,
+                             "runs": settings.runs, "quick": settings.quick,
+                             "cpu_share": None if runs.cpu_share is None
+                             else round(runs.cpu_share, 3)},
+                   measured=tuple(measured), choice=choice)
+
+
+def format_table(profile: Profile) -> str:
+    """The measurements as a readable table, then the choice."""
+    d = profile.device
+    lines = [f"{profile.model} on {d.kind} ({d.name}, {d.torch_threads} torch threads), "
+             f"torch {profile.torch_version}",
+             f"{'variant':<24} {'batch':>5} {'median_ms':>10} {'p95_ms':>9} {'img/s':>8} "
+             f"{'vs eager':>8}"]
+    plain = {r.batch_size: r.images_per_s for r in profile.measured[0].rows}
+    for m in profile.measured:
+        for i, r in enumerate(m.rows):
+            ratio = r.images_per_s / plain[r.batch_size] if plain.get(r.batch_size) else 0.0
+            lines.append(f"{m.variant.name if i == 0 else '':<24} {r.batch_size:>5} "
+                         f"{r.median_ms:>10.1f} {r.p95_ms:>9.1f} {r.images_per_s:>8.1f} "
+                         f"{ratio:>8.2f}")
+        lines.append(f"{'':<24} stopped: {m.stopped}")
+    c = profile.choice
+    measured_sizes = {r.batch_size for m in profile.measured for r in m.rows}
+    between = {s: ms for s, ms in c.latency_ms.items() if s not in measured_sizes}
+    if between:
+        lines.append(f"in-between sizes ({c.variant.name}): " + ", ".join(
+            f"{s}: {ms:.1f} ms" for s, ms in sorted(between.items())))
+    share = profile.settings.get("cpu_share")
+    if share is not None:
+        busy = " (contended: other processes took CPU time)" if share < CONTENDED_SHARE else ""
+        lines.append(f"CPU time the timed runs got: {share:.0%} of {d.torch_threads} "
+                     f"thread(s){busy}")
+    lines.append(f"choice: {c.variant.name}, max batch {c.max_batch_size} ({c.reason}); "
+                 f"preferred batch sizes: {list(c.preferred_batch_sizes) or 'none'}")
+    return "\n".join(lines)
+
+
+def calibrate_to_file(spec: str, device_spec: str, torch_threads: int,
+                      settings: CalibrationSettings, out: Path | None, profile_dir: str,
+                      report: Callable[[str], None]) -> tuple[Profile, Path]:
+    """``redbatch calibrate``: load the model, measure with ``torch_threads`` threads, and
+    write the profile to ``out`` or to its place in the profile directory. Raises
+    ValueError for an unknown model, device or variant."""
+    torch.set_num_threads(torch_threads)
+    device = resolve_device(device_spec)
+    handler = load_handler(spec, LimitSettings())
+    for name in settings.variants:
+        parse_variant(name)  # refuse a typo before loading anything
+    model = handler.load(device)
+    name = model_name_from_spec(spec)
+    profile = calibrate(handler, model, device, spec, name, settings, report)
+    path = out or profile_path(Path(profile_dir) if profile_dir else default_profile_dir(), name,
+                               profile.device)
+    save_profile(profile, path)
+    return profile, path

@@ -1,0 +1,154 @@
+"""`redbatch calibrate` on this CPU, and workers that load or make a profile (real processes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from conftest import SAMPLES, WorkerFactory
+from redbatch.common.protocol import Keys
+from redbatch.gpu_worker.calibrate import (
+    batch_sizes,
+    between_sizes,
+    candidate_variants,
+    parse_variant,
+    stop_reason,
+)
+from redbatch.gpu_worker.profile import Row, Variant, load_profile
+from redbatch.producer.client import Client
+
+PROFILE_KEYS = {"schema", "model", "model_spec", "fingerprint", "device", "torch_version",
+                "created_utc", "settings", "variants", "choice"}
+
+
+def calibrate(*args: str, env_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = None
+    if env_dir is not None:
+        import os
+
+        env = {**os.environ, "REDBATCH_PROFILE_DIR": str(env_dir)}
+    return subprocess.run([sys.executable, "-m", "redbatch.common.cli", "calibrate",
+                           "--device", "cpu", *args], capture_output=True, text=True,
+                          timeout=600, env=env)
+
+
+def test_sizes_and_variants() -> None:
+    assert batch_sizes(64) == [1, 2, 4, 8, 16, 32, 64] and batch_sizes(12) == [1, 2, 4, 8, 12]
+    assert between_sizes(16) == [3, 7, 15] and between_sizes(2) == []
+    import torch
+
+    assert candidate_variants(torch.device("cpu"), False) == [Variant(), Variant(True)]
+    assert Variant(True, None, True) in candidate_variants(torch.device("cpu"), True)
+    assert parse_variant("channels_last+fp16") == Variant(True, "float16")
+    assert parse_variant("eager") == Variant()
+    for bad in ("fast", "fp16+bf16"):
+        with pytest.raises(ValueError):
+            parse_variant(bad)
+
+
+def rows(*rates: float) -> list[Row]:
+    """Rows with these throughputs (img/s) at sizes 1, 2, 4, ..."""
+    return [Row(1 << i, (1 << i) * 1000 / r, (1 << i) * 1000 / r, 3)
+            for i, r in enumerate(rates)]
+
+
+def test_sweep_stops_when_throughput_falls_plateaus_or_passes_the_budget() -> None:
+    assert stop_reason(rows(50, 80, 90), None) == ""
+    assert stop_reason(rows(50, 80, 60), None) == "", "one slow size may be noise"
+    assert "fell" in stop_reason(rows(50, 80, 60, 55), None), "two in a row is not"
+    assert "fell to 50%" in stop_reason(rows(50, 80, 40), None), "nor a collapse"
+    assert "stopped growing" in stop_reason(rows(50, 80, 81, 81.5), None)
+    assert "budget" in stop_reason(rows(50, 80, 90), latency_budget_ms=40.0)  # 4 / 90: 44 ms
+
+
+def test_calibrate_writes_a_profile_and_prints_the_table(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    proc = calibrate("--max-batch", "4", "--runs", "2", "--warmup-runs", "1",
+                     "--latency-budget-ms", "5000", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "choice:" in proc.stdout and f"profile written to {out}" in proc.stdout
+    assert "channels_last" in proc.stdout and "median_ms" in proc.stdout
+    data = json.loads(out.read_text())
+    assert PROFILE_KEYS <= set(data)
+    assert data["model"] == "efficientnet_lite0" and data["fingerprint"].startswith("sha256:")
+    assert data["device"]["kind"] == "cpu" and data["device"]["torch_threads"] >= 1
+    assert data["settings"]["max_batch_cap"] == 4 and data["settings"]["latency_budget_ms"] == 5000
+    assert [v["name"] for v in data["variants"]] == ["eager", "channels_last"]
+    for v in data["variants"]:
+        sizes = [r["batch_size"] for r in v["rows"]]
+        assert sizes == [1, 2, 4][:len(sizes)] and sizes[:1] == [1], "at least batch 1"
+        assert all(r["median_ms"] > 0 and r["p95_ms"] >= r["median_ms"] and r["runs"] == 2
+                   for r in v["rows"])
+    choice = data["choice"]
+    assert 1 <= choice["max_batch_size"] <= 4
+    assert choice["variant"]["name"] in ("eager", "channels_last")
+    assert "1" in choice["latency_ms"] and choice["reason"]
+    profile = load_profile(out)
+    assert profile.choice.max_batch_size == choice["max_batch_size"]
+
+
+def test_unknown_variant_is_refused_with_a_message(tmp_path: Path) -> None:
+    proc = calibrate("--variant", "turbo", "--out", str(tmp_path / "p.json"))
+    assert proc.returncode == 1 and "unknown variant 'turbo'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def log_of(proc_index: int, tmp_path: Path) -> str:
+    return (tmp_path / f"worker-{proc_index}.log").read_text(errors="replace")
+
+
+def test_a_worker_loads_the_profile_and_uses_its_max_batch(
+        start_worker: WorkerFactory, r: redis.Redis, redis_url: str, keys: Keys,
+        tmp_path: Path) -> None:
+    profiles = tmp_path / "profiles"
+    proc = calibrate("--max-batch", "2", "--runs", "1", "--warmup-runs", "0", env_dir=profiles)
+    assert proc.returncode == 0, proc.stderr
+    (path,) = profiles.glob("efficientnet_lite0--cpu-*.json")
+    # A max batch no default or measurement would give: seen in the results, it can only
+    # have come from the profile.
+    data = json.loads(path.read_text())
+    data["choice"]["max_batch_size"] = 3
+    path.write_text(json.dumps(data))
+    start_worker("--calibrate", "load", env={"REDBATCH_PROFILE_DIR": str(profiles)})
+    photos = [(SAMPLES / n).read_bytes() for n in ("cat.jpg", "coffee.jpg", "rocket.jpg")]
+    with Client(redis_url) as client:
+        ids = client.submit_many(photos * 6, timeout_s=300)
+        results = [client.result(i, timeout_s=300) for i in ids]
+    assert all(res.ok for res in results)
+    sizes = {res.batch_size for res in results}
+    assert max(sizes) <= 3 and 3 in sizes, sizes
+    log = log_of(0, tmp_path)
+    assert f"loaded profile {path}" in log and "max_batch=3" in log, log
+
+
+def test_calibrate_auto_measures_and_stores_a_profile(
+        start_worker: WorkerFactory, r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
+    profiles = tmp_path / "auto-profiles"
+    start_worker("--calibrate", "auto", "--max-batch-size", "2",
+                 env={"REDBATCH_PROFILE_DIR": str(profiles)})
+    (path,) = profiles.glob("efficientnet_lite0--cpu-*.json")
+    profile = load_profile(path)
+    assert profile.settings["quick"] and profile.settings["max_batch_cap"] == 2
+    assert profile.choice.max_batch_size <= 2
+    with Client(redis_url) as client:
+        assert client.predict((SAMPLES / "cat.jpg").read_bytes(), timeout_s=120).ok
+    deadline = time.monotonic() + 10
+    while "calibrated and stored profile" not in log_of(0, tmp_path) and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = log_of(0, tmp_path)
+    assert f"calibrated and stored profile {path}" in log, log
+    assert "max_batch=2 " in log, "the explicit max batch wins over the profile's"
+
+
+def test_calibrate_off_loads_nothing(start_worker: WorkerFactory, r: redis.Redis,
+                                     tmp_path: Path) -> None:
+    profiles = tmp_path / "none"
+    start_worker("--calibrate", "off", env={"REDBATCH_PROFILE_DIR": str(profiles)})
+    assert not profiles.exists()
+    assert "calibration off" in log_of(0, tmp_path)

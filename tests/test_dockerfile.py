@@ -1,0 +1,126 @@
+"""The worker image installs redbatch the way CI does, from every folder the package needs.
+
+CI (.ci/run -> scripts/test.sh -> scripts/setup.sh) installs torch first, then the package
+with extras; the image gets torch from its PyTorch base, then installs the package with the
+same extras less `test`. No Docker engine runs here, so the files are read, not built.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shlex
+
+import tomllib
+from deploy_files import ROOT, load_compose, service_env
+
+EXTRAS = re.compile(r"""["']?\.\[([a-z0-9_,-]+)\]["']?""")
+
+
+def dockerfile() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    lines = [ln.strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith("#")]
+    return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1]) for ln in lines]
+
+
+def pyproject() -> dict:  # type: ignore[type-arg]
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def package_installs(commands: list[str]) -> list[set[str]]:
+    """Extras of each `pip install` of the package itself (`.[a,b]`) in shell commands."""
+    return [set(m.group(1).split(",")) for c in commands if "pip install" in c
+            for m in EXTRAS.finditer(c)]
+
+
+def ci_install_commands() -> list[str]:
+    assert "scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+    assert "scripts/setup.sh" in (ROOT / "scripts" / "test.sh").read_text()
+    return [ln for ln in (ROOT / "scripts" / "setup.sh").read_text().splitlines()
+            if "pip install" in ln and not ln.lstrip().startswith("#")]
+
+
+def test_image_installs_the_package_as_ci_does() -> None:
+    ci = ci_install_commands()
+    torch_first = [i for i, c in enumerate(ci) if re.search(r"""["' ]torch==""", c)]
+    (ci_extras,) = package_installs(ci)
+    assert torch_first and torch_first[0] < next(i for i, c in enumerate(ci) if ".[" in c)
+
+    runs = [args for op, args in dockerfile() if op == "RUN"]
+    (image_extras,) = package_installs(runs)
+    assert image_extras == ci_extras - {"test"} and "worker" in image_extras
+    assert not any(re.search(r"\btorch\b", r) for r in runs if "pip install" in r), \
+        "torch comes with the base image, as CI installs it before the package"
+
+
+def test_base_image_is_pinned_pytorch_with_cuda_that_the_package_accepts() -> None:
+    (base,) = [args for op, args in dockerfile() if op == "FROM"]
+    repo, tag = base.split(":")
+    assert repo == "pytorch/pytorch" and "cuda" in tag and "latest" not in tag
+    torch_version = tuple(int(p) for p in tag.split("-")[0].split("."))
+    (req,) = [r for r in pyproject()["project"]["optional-dependencies"]["worker"]
+              if re.match(r"torch\b", r)]
+    minimum = re.fullmatch(r"torch>=([\d.]+)", req.replace(" ", ""))
+    assert minimum, f"update this check for the requirement {req!r}"
+    assert torch_version >= tuple(int(p) for p in minimum.group(1).split("."))
+
+
+def copied_paths() -> set[str]:
+    """Checkout paths the Dockerfile COPYs (sources of each COPY, normalised)."""
+    paths = set()
+    for op, args in dockerfile():
+        if op == "COPY":
+            *sources, _ = shlex.split(args)
+            paths |= {s.rstrip("/").removeprefix("./") for s in sources if not s.startswith("--")}
+    return paths
+
+
+def test_image_copies_everything_the_package_build_reads() -> None:
+    meta = pyproject()
+    setuptools = meta["tool"]["setuptools"]
+    root = setuptools["package-dir"]["redbatch"]
+    needed = {"pyproject.toml", meta["project"]["readme"], "__init__.py"}
+    needed |= {p.split(".", 1)[1] for p in setuptools["packages"] if "." in p}
+    needed |= set(setuptools.get("package-data", {}).get("redbatch", []))
+    assert root == "." and needed <= copied_paths()
+    install = next(i for i, (op, a) in enumerate(dockerfile()) if op == "RUN" and ".[" in a)
+    last_copy = max(i for i, (op, _) in enumerate(dockerfile()) if op == "COPY")
+    assert last_copy < install
+
+
+def dockerignore_patterns() -> list[str]:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    return [ln.strip().rstrip("/") for ln in lines
+            if ln.strip() and not ln.startswith(("#", "!"))]
+
+
+def ignored(path: str, patterns: list[str]) -> bool:
+    """Whether a path or a folder above it matches a .dockerignore pattern."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return any(fnmatch.fnmatchcase(p, pat) or fnmatch.fnmatchcase(p, pat.removeprefix("**/"))
+               for p in prefixes for pat in patterns)
+
+
+def test_dockerignore_keeps_local_state_out_and_the_sources_in() -> None:
+    patterns = dockerignore_patterns()
+    for local in (".git", ".venv", "build", "tests", "common/__pycache__"):
+        assert ignored(local, patterns), local
+    for path in copied_paths():
+        files = [path] if (ROOT / path).is_file() else [
+            str(f.relative_to(ROOT)) for f in (ROOT / path).rglob("*.py")]
+        for f in files:
+            assert not ignored(f, patterns), f"{f} is copied but .dockerignore drops it"
+
+
+def test_image_runs_the_compose_worker() -> None:
+    instructions = dockerfile()
+    (cmd,) = [a for op, a in instructions if op == "CMD"]
+    worker = load_compose()["services"]["worker"]
+    assert json.loads(cmd) == worker["command"]
+    exposed = {p for op, a in instructions if op == "EXPOSE" for p in a.split()}
+    assert service_env(worker)["REDBATCH_METRICS_PORT"] in exposed
+    assert ("STOPSIGNAL", "SIGTERM") in instructions and ("USER", "redbatch") in instructions

@@ -1,0 +1,149 @@
+"""Calibration profiles: the choosing rules on synthetic tables, and the file round trip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from redbatch.gpu_worker.profile import (
+    Choice,
+    DeviceInfo,
+    Measured,
+    Profile,
+    Row,
+    Variant,
+    choose,
+    load_profile,
+    pick_max_batch,
+    pick_variant,
+    preferred_sizes,
+    profile_path,
+    save_profile,
+)
+
+
+def table(ms_by_size: dict[int, float], p95_factor: float = 1.1) -> tuple[Row, ...]:
+    """Rows from median batch latencies (ms); p95 a fixed factor above."""
+    return tuple(Row(size, ms, ms * p95_factor, 5) for size, ms in sorted(ms_by_size.items()))
+
+
+# Throughput 100, 160, 200, 240, 250, 252 img/s: peaks at 64, 95% of it (239.4) first at 16.
+GPU_LIKE = table({1: 10.0, 2: 12.5, 4: 20.0, 16: 66.67, 32: 128.0, 64: 253.97})
+# CPU with glibc's default malloc: best at 4, falling after.
+CPU_FALLING = table({1: 20.0, 2: 30.0, 4: 47.6, 8: 190.0, 16: 500.0})
+
+
+def test_smallest_size_within_95_percent_of_the_peak() -> None:
+    assert pick_max_batch(GPU_LIKE) == 16
+    assert pick_max_batch(CPU_FALLING) == 4
+
+
+def test_the_latency_budget_bounds_the_choice_and_the_peak() -> None:
+    # p95 = 1.1 x median: batch 16 has p95 73 ms, 32 has 141 ms.
+    assert pick_max_batch(GPU_LIKE, latency_budget_ms=100.0) == 16
+    # Within 30 ms only 1, 2 and 4 fit: their peak is 200 img/s at 4.
+    assert pick_max_batch(GPU_LIKE, latency_budget_ms=30.0) == 4
+    # Nothing fits: the smallest size measured.
+    assert pick_max_batch(GPU_LIKE, latency_budget_ms=1.0) == 1
+
+
+@pytest.mark.parametrize("share, expected", [(1.0, 64), (0.95, 16), (0.75, 4), (0.35, 1)])
+def test_share_of_the_peak_moves_the_choice(share: float, expected: int) -> None:
+    assert pick_max_batch(GPU_LIKE, share=share) == expected
+
+
+def test_empty_table_is_an_error() -> None:
+    with pytest.raises(ValueError):
+        pick_max_batch([])
+
+
+def test_fastest_variant_wins_only_when_measurably_faster() -> None:
+    eager = Measured(Variant(), CPU_FALLING)
+    cl_faster = Measured(Variant(channels_last=True),
+                         table({1: 18.0, 2: 25.0, 4: 36.0, 8: 60.0, 16: 130.0}))
+    best, size = pick_variant([eager, cl_faster])
+    assert best.variant.channels_last and size == 8  # 133 img/s at 8 against 84 eager at 4
+    barely = Measured(Variant(channels_last=True),
+                      table({1: 19.9, 2: 29.9, 4: 47.0, 8: 189.0}))  # 1% faster: noise
+    assert pick_variant([eager, barely])[0].variant == Variant()
+
+
+def test_preferred_sizes_are_those_faster_than_a_smaller_one() -> None:
+    rows = table({4: 30.0, 7: 60.0, 8: 50.0, 15: 101.0, 16: 100.0})
+    # 8 beats 7 by 20%; 16 beats 15 by only 1% (noise), so 16 is not preferred.
+    assert preferred_sizes(rows, max_batch_size=16) == (8,)
+    assert preferred_sizes(rows, max_batch_size=7) == ()
+
+
+def test_choose_combines_the_rules_and_keeps_every_latency() -> None:
+    eager = Measured(Variant(), table({1: 10.0, 2: 12.0, 4: 16.0, 8: 24.0}))
+    fp16 = Measured(Variant(autocast="float16"), table({1: 8.0, 2: 9.0, 4: 11.0, 8: 30.0}))
+    between = table({3: 15.0, 7: 26.0})
+    c = choose([eager, fp16], extra_rows=between)
+    # eager: 333 img/s at 8; fp16: 364 at 4 (8 slower): fp16 at 4 wins.
+    assert c.variant == Variant(autocast="float16") and c.max_batch_size == 4
+    assert c.latency_ms == {1: 8.0, 2: 9.0, 3: 15.0, 4: 11.0, 7: 26.0, 8: 30.0}
+    assert c.preferred_batch_sizes == (4,)  # 4 (11 ms) is faster than 3 (15 ms)
+    assert "fp16" in c.reason
+
+
+def test_variant_names_round_trip() -> None:
+    for v in (Variant(), Variant(True), Variant(True, "bfloat16", True), Variant(False, "float16")):
+        assert Variant.from_dict(v.to_dict()) == v
+    assert Variant(True, "float16").name == "channels_last+fp16" and Variant().name == "eager"
+
+
+def sample_profile() -> Profile:
+    measured = (Measured(Variant(), GPU_LIKE, "cap 64"),
+                Measured(Variant(channels_last=True), CPU_FALLING, "throughput fell"))
+    return Profile("efficientnet_lite0", "efficientnet_lite0", "sha256:abc",
+                   DeviceInfo("cpu", "AMD EPYC", 2), "2.13.0", "2026-01-01T00:00:00Z",
+                   {"latency_budget_ms": None, "max_batch_cap": 64, "runs": 5, "quick": False},
+                   measured, Choice(Variant(), 16, (8,), {1: 10.0, 16: 66.67}, "why"))
+
+
+def test_profile_file_round_trip_and_documented_fields(tmp_path: Path) -> None:
+    profile = sample_profile()
+    path = profile_path(tmp_path, profile.model, profile.device)
+    assert path.name == "efficientnet_lite0--cpu-amd-epyc-1x2t.json"
+    save_profile(profile, path)
+    assert load_profile(path).to_dict() == profile.to_dict()
+    data = json.loads(path.read_text())
+    assert {"schema", "model", "fingerprint", "device", "torch_version", "variants",
+            "choice"} <= set(data)
+    assert data["variants"][0]["rows"][0] == {
+        "batch_size": 1, "median_ms": 10.0, "p95_ms": 11.0, "images_per_s": 100.0, "runs": 5,
+        "peak_memory_bytes": None, "batches_at_once": 1}
+    assert data["choice"]["max_batch_size"] == 16
+    assert data["choice"]["latency_ms"] == {"1": 10.0, "16": 66.67}
+    assert not list(tmp_path.glob(".*.tmp")), "written through a temporary file"
+
+
+def test_another_schema_or_a_broken_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    data = sample_profile().to_dict()
+    path.write_text(json.dumps({**data, "schema": 99}))
+    with pytest.raises(ValueError, match="schema"):
+        load_profile(path)
+    path.write_text(json.dumps({k: v for k, v in data.items() if k != "choice"}))
+    with pytest.raises(ValueError, match="malformed"):
+        load_profile(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError):
+        load_profile(path)
+
+
+def test_gpu_slug_has_no_thread_count_and_cpu_slug_has_lanes() -> None:
+    assert DeviceInfo("cuda", "NVIDIA H200", 16).slug == "cuda-nvidia-h200"
+    assert DeviceInfo("cpu", "AMD EPYC", 1, lanes=2).slug == "cpu-amd-epyc-2x1t"
+
+
+def test_throughput_counts_batches_run_at_once() -> None:
+    assert Row(8, 100.0, 110.0, 3, None, batches_at_once=2).images_per_s == pytest.approx(160.0)
+
+
+def test_a_compiled_choice_pads_to_every_compiled_size() -> None:
+    compiled = Measured(Variant(True, None, True), table({1: 5.0, 2: 6.0, 4: 8.0, 8: 17.0}))
+    c = choose([Measured(Variant(), table({1: 20.0, 2: 40.0, 4: 80.0, 8: 160.0})), compiled])
+    assert c.variant.compile and c.max_batch_size == 4 and c.preferred_batch_sizes == (1, 2, 4)
