@@ -20,7 +20,7 @@ Peak memory is the largest RSS of the worker plus its pool processes, sampled ev
 from its start (model load and warm-up of the size included) to its stop.
 
 Prints a row per size and, last, each size's throughput relative to batch 1 and to the best
-size. Writes bench/out/batch_sweep.csv and bench/out/batch_sweep.png.
+size. Writes bench/out/batch_sweep.csv and bench/out/batch_sweep.png (--out-dir: elsewhere).
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ import os
 import shlex
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
 from harness import (
     MIB,
+    OUT,
     ClosedRun,
     RedbatchTarget,
     RssSampler,
@@ -44,6 +46,7 @@ from harness import (
     photos,
     plot,
     reexec_with_worker_malloc,
+    set_out_dir,
     start_worker,
     tiny_jpegs,
     write_csv,
@@ -129,7 +132,7 @@ def report(args: argparse.Namespace, results: list[SizeResult]) -> None:
               f"{lat['p50']:7.0f} {lat['p95']:7.0f} {lat['p99']:7.0f} {lat['max']:7.0f} "
               f"{r.peak_rss / MIB:8.0f} {r.mean_batch():6.1f} {r.compute_ms():8.1f}")
     print(machine_load())
-    print("wrote bench/out/batch_sweep.csv, bench/out/batch_sweep.png")
+    print(f"wrote {args.out_dir / 'batch_sweep.csv'}, {args.out_dir / 'batch_sweep.png'}")
     variants = sorted({r.worker.variant for r in results})
     print(f"model variant (from the profile): {', '.join(variants)}"
           + ("  WARNING: it changed during the sweep" if len(variants) > 1 else ""))
@@ -180,7 +183,11 @@ def main() -> None:
     parser.add_argument("--model", default="efficientnet_lite0",
                         help="worker --model (null: tiny JPEGs, what redbatch itself costs)")
     parser.add_argument("--worker-args", default="", help="extra flags for redbatch worker")
+    parser.add_argument("--out-dir", type=Path, default=OUT,
+                        help="folder for the CSV, the plot and the worker logs "
+                             "(default: bench/out)")
     args = parser.parse_args()
+    args.out_dir = set_out_dir(args.out_dir)
     sizes = [int(x) for x in args.sizes.split(",")]
     if max(sizes) > args.window:
         parser.error("--window must be at least the largest size")

@@ -45,8 +45,19 @@ from redbatch.common.protocol import JobEnvelope, Keys, Lane, ResultEnvelope
 from redbatch.producer.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent
+#: Where CSVs, plots and worker logs go; set_out_dir() moves it for one run.
 OUT = ROOT / "bench" / "out"
 MIB = 1024 * 1024
+
+
+def set_out_dir(path: str | Path) -> Path:
+    """Write this run's CSVs, plots and worker logs under PATH (made when missing) instead
+    of bench/out, so that a run kept apart (bench/gpu_check.sh) has everything in one folder.
+    Returns the absolute path."""
+    global OUT
+    OUT = Path(path).resolve()
+    OUT.mkdir(parents=True, exist_ok=True)
+    return OUT
 
 
 # ---------------------------------------------------------------------------- environment

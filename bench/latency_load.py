@@ -20,7 +20,7 @@ latency_load-worker.log). The sample photos are the payloads.
 
 Prints a row per level (p50/p95/p99/max, achieved rate, mean batch size) and, last, p99 at
 70% of capacity against the issue 6 target: max wait + 2 x the batch compute time.
-Writes bench/out/latency_load.csv and bench/out/latency_load.png.
+Writes bench/out/latency_load.csv and bench/out/latency_load.png (--out-dir: elsewhere).
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ import argparse
 import os
 import shlex
 import statistics
+from pathlib import Path
 
 from harness import (
+    OUT,
     ClosedRun,
     OpenRun,
     RedbatchTarget,
@@ -42,6 +44,7 @@ from harness import (
     photos,
     plot,
     reexec_with_worker_malloc,
+    set_out_dir,
     start_worker,
     verdict,
     where_time_went,
@@ -151,7 +154,7 @@ def report(args: argparse.Namespace, capacity: ClosedRun, levels: dict[float, Op
           f"requests and {formed:.1f} ms of compute; max wait + 2 x that = "
           f"{args.max_wait_ms + 2 * formed:.1f} ms")
     print(machine_load())
-    print("wrote bench/out/latency_load.csv, bench/out/latency_load.png")
+    print(f"wrote {args.out_dir / 'latency_load.csv'}, {args.out_dir / 'latency_load.png'}")
     print(f"RATIO p99 at {at:.0%} load / (max wait + 2 x batch compute) = {p99:.1f} / "
           f"({args.max_wait_ms:g} + 2 x {compute_ms:.1f}) = {p99 / target_ms:.2f}  "
           f"(target <= 1: {verdict(p99, target_ms, higher_is_better=False)})")
@@ -193,7 +196,11 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=DEFAULT_MAX_INFLIGHT,
                         help="jobs in flight while measuring capacity")
     parser.add_argument("--worker-args", default="", help="extra flags for redbatch worker")
+    parser.add_argument("--out-dir", type=Path, default=OUT,
+                        help="folder for the CSV, the plot and the worker log "
+                             "(default: bench/out)")
     args = parser.parse_args()
+    args.out_dir = set_out_dir(args.out_dir)
     args.levels = [float(x) for x in args.levels.split(",")]
     reexec_with_worker_malloc()
     capacity, levels = run(args)

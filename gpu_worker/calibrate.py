@@ -51,7 +51,8 @@ CLEARLY_FALLEN = 0.6
 #: CPU: measurements that got less than this share of their threads' time (others were
 #: running) are marked contended; a worker measures a contended quick profile again.
 CONTENDED_SHARE = 0.75
-#: ... or when two doublings in a row gained less than this factor each.
+#: ... or when three doublings in a row gained less than this factor each (on CPU the
+#: throughput may stay flat from 2 to 8 and still gain 10% by 16).
 PLATEAU_GAIN = 1.02
 
 Model = Callable[[torch.Tensor], torch.Tensor]
@@ -266,8 +267,8 @@ def stop_reason(rows: Sequence[Row], latency_budget_ms: float | None) -> str:
         return f"throughput fell to {last.images_per_s / best:.0%} of its best"
     if latency_budget_ms is not None and last.p95_ms > latency_budget_ms:
         return f"p95 {last.p95_ms:.1f} ms over the {latency_budget_ms:g} ms budget"
-    if len(rows) >= 3 and all(rows[i].images_per_s < PLATEAU_GAIN * rows[i - 1].images_per_s
-                              for i in (-1, -2)):
+    if len(rows) >= 4 and all(rows[i].images_per_s < PLATEAU_GAIN * rows[i - 1].images_per_s
+                              for i in (-1, -2, -3)):
         return "throughput stopped growing"
     return ""
 
@@ -312,9 +313,12 @@ def calibrate(handler: Handler, model: Model, device: torch.device, spec: str, n
     names = settings.variants
     variants = [parse_variant(n) for n in names] if names else \
         candidate_variants(device, settings.try_compile)
-    info = device_info(device)
-    report(f"calibrating {name} on {info.kind} ({info.name}, {info.torch_threads} torch threads):"
-           f" variants {', '.join(v.name for v in variants)}; batch sizes up to {cap}")
+    # The lanes are part of a CPU profile's file name: without them `redbatch calibrate`
+    # would store a profile that a worker running 2 lanes never looks for.
+    info = device_info(device, settings.lanes)
+    report(f"calibrating {name} on {info.kind} ({info.name}, {info.lanes} batches at once x "
+           f"{info.torch_threads} torch threads): variants "
+           f"{', '.join(v.name for v in variants)}; batch sizes up to {cap}")
     measured, runs = sweep(handler, model, device, variants, cap, settings, report)
     choice = choose(measured, settings.latency_budget_ms)
     # Sizes just below the powers of two, for the chosen variant only: may round up pay?
@@ -337,17 +341,19 @@ def calibrate(handler: Handler, model: Model, device: torch.device, spec: str, n
 def format_table(profile: Profile) -> str:
     """The measurements as a readable table, then the choice."""
     d = profile.device
-    lines = [f"{profile.model} on {d.kind} ({d.name}, {d.torch_threads} torch threads), "
+    lanes = f"{d.lanes} batches at once x " if d.lanes > 1 else ""
+    lines = [f"{profile.model} on {d.kind} ({d.name}, {lanes}{d.torch_threads} torch threads), "
              f"torch {profile.torch_version}",
              f"{'variant':<24} {'batch':>5} {'median_ms':>10} {'p95_ms':>9} {'img/s':>8} "
              f"{'vs eager':>8}"]
     plain = {r.batch_size: r.images_per_s for r in profile.measured[0].rows}
     for m in profile.measured:
         for i, r in enumerate(m.rows):
-            ratio = r.images_per_s / plain[r.batch_size] if plain.get(r.batch_size) else 0.0
+            ratio = f"{r.images_per_s / plain[r.batch_size]:.2f}" if plain.get(r.batch_size) \
+                else "-"
             lines.append(f"{m.variant.name if i == 0 else '':<24} {r.batch_size:>5} "
                          f"{r.median_ms:>10.1f} {r.p95_ms:>9.1f} {r.images_per_s:>8.1f} "
-                         f"{ratio:>8.2f}")
+                         f"{ratio:>8}")
         lines.append(f"{'':<24} stopped: {m.stopped}")
     c = profile.choice
     measured_sizes = {r.batch_size for m in profile.measured for r in m.rows}
@@ -358,8 +364,8 @@ def format_table(profile: Profile) -> str:
     share = profile.settings.get("cpu_share")
     if share is not None:
         busy = " (contended: other processes took CPU time)" if share < CONTENDED_SHARE else ""
-        lines.append(f"CPU time the timed runs got: {share:.0%} of {d.torch_threads} "
-                     f"thread(s){busy}")
+        lines.append(f"CPU time the timed runs got: {share:.0%} of {d.lanes * d.torch_threads}"
+                     f" thread(s){busy}")
     lines.append(f"choice: {c.variant.name}, max batch {c.max_batch_size} ({c.reason}); "
                  f"preferred batch sizes: {list(c.preferred_batch_sizes) or 'none'}")
     return "\n".join(lines)

@@ -28,7 +28,7 @@ PROFILE_DIR_ENV = "REDBATCH_PROFILE_DIR"
 PEAK_SHARE = 0.95
 #: A variant or a rounded-up batch size must be this much faster to be preferred over the
 #: plain one: smaller differences are within the noise of a shared machine.
-MEASURABLY_FASTER = 1.03
+MEASURABLY_FASTER = 1.05
 
 
 @dataclass(frozen=True, slots=True)

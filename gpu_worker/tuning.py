@@ -77,9 +77,9 @@ def apply_profile(settings: Settings, profile: Profile) -> Tuned:
     def pick(name: str, mine: T, theirs: T) -> T:
         if name in explicit:
             if mine != theirs:
-                kept.append(f"{name}={mine} (given; profile: {theirs})")
+                kept.append(f"{name}={_shown(mine)} (given; profile: {_shown(theirs)})")
             return mine
-        took.append(f"{name}={theirs}")
+        took.append(f"{name}={_shown(theirs)}")
         return theirs
 
     max_batch = pick("max_batch_size", batch.max_batch_size, choice.max_batch_size)
@@ -107,6 +107,10 @@ def apply_profile(settings: Settings, profile: Profile) -> Tuned:
         if same_variant else ()
     return Tuned(applied, None, None, 1, profile, preferred, same_variant and v.compile,
                  latency, notes)
+
+
+def _shown(value: object) -> str:
+    return "off" if value in ("", None, False) else "on" if value is True else str(value)
 
 
 def profile_dir(settings: Settings) -> Path:

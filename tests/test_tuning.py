@@ -43,7 +43,7 @@ def test_profile_wins_over_defaults() -> None:
     assert tuned.settings.model.channels_last and tuned.variant == Variant(channels_last=True)
     assert tuned.preferred_sizes == (8,) and not tuned.always_round_up
     assert tuned.latency_s == {1: 0.010, 7: 0.060, 8: 0.050, 16: 0.080}
-    assert "max_batch_size=16" in tuned.notes[0] and "channels_last=True" in tuned.notes[0]
+    assert "max_batch_size=16" in tuned.notes[0] and "channels_last=on" in tuned.notes[0]
     # interactive_reserve is recomputed for the new max batch, not kept from the default's.
     assert tuned.settings.batch.interactive_reserve == 16
 
