@@ -566,5 +566,23 @@ def plot(name: str, draw: Callable[[Any], None]) -> Path:
     return path
 
 
+def plot_rates(name: str, rates: dict[str, float], title: str, unit: str,
+               label_fmt: str = "%.1f", height: float = 4.5) -> Path:
+    """A horizontal bar per system, redbatch's in blue, saved as bench/out/NAME."""
+    def figure(plt: Any) -> None:
+        fig, ax = plt.subplots(figsize=(9, height))
+        names = list(rates)
+        bars = ax.barh(names, [rates[n] for n in names],
+                       color=["tab:blue" if n.startswith("redbatch") else "tab:gray"
+                              for n in names])
+        ax.bar_label(bars, fmt=label_fmt)
+        ax.invert_yaxis()
+        ax.set_xlabel(f"{unit} (higher is better)")
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+
+    return plot(name, figure)
+
+
 def fmt(x: float, digits: int = 1) -> str:
     return f"{x:.{digits}f}"

@@ -57,7 +57,7 @@ from harness import (
     latency_summary,
     machine_load,
     photos,
-    plot,
+    plot_rates,
     reexec_with_worker_malloc,
     start_worker,
     tiny_jpegs,
@@ -182,18 +182,7 @@ def redbatch_phase(url: str, payloads: Sequence[bytes],
 
 
 def draw(rates: dict[str, float], title: str) -> None:
-    def figure(plt):  # type: ignore[no-untyped-def]
-        fig, ax = plt.subplots(figsize=(9, 3.5))
-        bars = ax.barh(list(rates), list(rates.values()),
-                       color=["tab:blue" if n.startswith("redbatch") else "tab:gray"
-                              for n in rates])
-        ax.bar_label(bars, fmt="%.0f")
-        ax.invert_yaxis()
-        ax.set_xlabel("jobs / s (higher is better)")
-        ax.set_title(title, fontsize=9)
-        ax.grid(axis="x", alpha=0.3)
-
-    plot("overhead.png", figure)
+    plot_rates("overhead.png", rates, title, "jobs / s", "%.0f", 3.5)
 
 
 def main() -> None:

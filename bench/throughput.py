@@ -49,7 +49,7 @@ from harness import (
     fmt,
     latency_summary,
     machine_load,
-    plot,
+    plot_rates,
     reexec_with_worker_malloc,
     start_worker,
     untuned_env,
@@ -163,19 +163,7 @@ def one_round(args: argparse.Namespace, payloads: list[bytes],
 
 
 def draw(rates: dict[str, float], title: str) -> None:
-    def figure(plt):  # type: ignore[no-untyped-def]
-        fig, ax = plt.subplots(figsize=(9, 4.5))
-        names = list(rates)
-        bars = ax.barh(names, [rates[n] for n in names],
-                       color=["tab:blue" if n.startswith("redbatch") else "tab:gray"
-                              for n in names])
-        ax.bar_label(bars, fmt="%.1f")
-        ax.invert_yaxis()
-        ax.set_xlabel("images / s (higher is better)")
-        ax.set_title(title, fontsize=9)
-        ax.grid(axis="x", alpha=0.3)
-
-    plot("throughput.png", figure)
+    plot_rates("throughput.png", rates, title, "images / s", "%.1f", 4.5)
 
 
 def main() -> None:
