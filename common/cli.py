@@ -284,8 +284,9 @@ def _signals_stop(stop: Callable[[], None], abort: Callable[[], None]) -> Iterat
 @click.option("--variant", "variants", multiple=True,
               help="Measure only this variant (repeatable): eager, channels_last, fp16, bf16, "
                    "compile, or a '+' combination such as channels_last+fp16.")
-@click.option("--compile", "try_compile", is_flag=True, default=False,
-              help="Also try torch.compile (on CPU 10-35 s of compilation per batch size).")
+@click.option("--compile/--no-compile", "try_compile", default=None,
+              help="Also try torch.compile [default: on CPU when a C++ compiler is installed; "
+                   "5-35 s of compilation per batch size the first time, seconds after].")
 @_opt("--pool-processes", env="POOL_PROCESSES", type=click.IntRange(min=1),
       default=default_pool_processes(),
       help="The worker's preprocessing processes (they decide its torch threads).")

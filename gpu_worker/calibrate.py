@@ -16,6 +16,7 @@ import copy
 import hashlib
 import logging
 import platform
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -68,8 +69,11 @@ class CalibrationSettings:
     runs: int = 7
     #: Untimed runs per size first (lazy init, cuDNN benchmarking, compilation).
     warmup_runs: int = 2
-    #: Add torch.compile variants (CPU: 10-35 s of compilation per batch size, cold cache).
-    try_compile: bool = False
+    #: Add torch.compile variants (CPU: 5-35 s of compilation per batch size with a cold
+    #: cache, a few seconds with a warm one). None: on CPU when a C++ compiler is
+    #: installed (inductor needs one), never on CUDA (there it needs Triton, and pays off
+    #: less: ask for it).
+    try_compile: bool | None = None
     #: Only these variants, by name (e.g. "eager", "channels_last+fp16"); empty: all.
     variants: tuple[str, ...] = ()
     #: CUDA: share of device memory the sweep leaves free.
@@ -85,8 +89,17 @@ class CalibrationSettings:
         return cls(max_batch=max_batch, runs=3, warmup_runs=1, quick=True)
 
 
-def candidate_variants(device: torch.device, try_compile: bool) -> list[Variant]:
+def compile_by_default(device: torch.device) -> bool:
+    """Whether calibration tries torch.compile unless told: on CPU, where inductor's
+    frozen graphs are much faster (EfficientNet-Lite0: about 1.45x channels_last), when
+    it can build them."""
+    return device.type == "cpu" and any(shutil.which(cc) for cc in ("c++", "g++", "clang++"))
+
+
+def candidate_variants(device: torch.device, try_compile: bool | None) -> list[Variant]:
     """Variants worth trying on this device; the plain one first (it wins ties)."""
+    if try_compile is None:
+        try_compile = compile_by_default(device)
     found = [Variant(), Variant(channels_last=True)]
     if device.type == "cuda":
         dtypes = ["float16"] + (["bfloat16"] if torch.cuda.is_bf16_supported() else [])

@@ -200,9 +200,12 @@ def _with_profile(settings: Settings, handler: Handler,
             else None
         budget = settings.tune.latency_budget_ms or None
         logger.info("%s: calibrating (quick) before serving", why)
+        # --compile/--no-compile given: measure only what was asked for.
+        compile_asked = settings.model.compile if "compile" in settings.tune.explicit else None
         profile = calibrate(handler, model, device, settings.model.spec, name,
                             dataclasses.replace(CalibrationSettings.quick_settings(cap),
-                                                latency_budget_ms=budget, lanes=lanes))
+                                                latency_budget_ms=budget, lanes=lanes,
+                                                try_compile=compile_asked))
         save_profile(profile, path)
         notes.append(f"calibrated and stored profile {path}")
         share = profile.settings.get("cpu_share")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -44,6 +45,10 @@ def test_sizes_and_variants() -> None:
 
     assert candidate_variants(torch.device("cpu"), False) == [Variant(), Variant(True)]
     assert Variant(True, None, True) in candidate_variants(torch.device("cpu"), True)
+    by_default = candidate_variants(torch.device("cpu"), None)
+    assert (Variant(True, None, True) in by_default) == any(
+        shutil.which(cc) for cc in ("c++", "g++", "clang++")), \
+        "compile is tried on CPU by default where inductor can build"
     assert parse_variant("channels_last+fp16") == Variant(True, "float16")
     assert parse_variant("eager") == Variant()
     for bad in ("fast", "fp16+bf16"):
@@ -69,7 +74,7 @@ def test_sweep_stops_when_throughput_falls_plateaus_or_passes_the_budget() -> No
 
 def test_calibrate_writes_a_profile_and_prints_the_table(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
-    proc = calibrate("--max-batch", "4", "--runs", "2", "--warmup-runs", "1",
+    proc = calibrate("--max-batch", "4", "--runs", "2", "--warmup-runs", "1", "--no-compile",
                      "--latency-budget-ms", "5000", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "choice:" in proc.stdout and f"profile written to {out}" in proc.stdout
@@ -107,7 +112,8 @@ def test_a_worker_loads_the_profile_and_uses_its_max_batch(
         start_worker: WorkerFactory, r: redis.Redis, redis_url: str, keys: Keys,
         tmp_path: Path) -> None:
     profiles = tmp_path / "profiles"
-    proc = calibrate("--max-batch", "2", "--runs", "1", "--warmup-runs", "0", env_dir=profiles)
+    proc = calibrate("--max-batch", "2", "--runs", "1", "--warmup-runs", "0", "--no-compile",
+                     env_dir=profiles)
     assert proc.returncode == 0, proc.stderr
     (path,) = profiles.glob("efficientnet_lite0--cpu-*.json")
     # A max batch no default or measurement would give: seen in the results, it can only
@@ -130,7 +136,7 @@ def test_a_worker_loads_the_profile_and_uses_its_max_batch(
 def test_calibrate_auto_measures_and_stores_a_profile(
         start_worker: WorkerFactory, r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
     profiles = tmp_path / "auto-profiles"
-    start_worker("--calibrate", "auto", "--max-batch-size", "2",
+    start_worker("--calibrate", "auto", "--max-batch-size", "2", "--no-compile",
                  env={"REDBATCH_PROFILE_DIR": str(profiles)})
     (path,) = profiles.glob("efficientnet_lite0--cpu-*.json")
     profile = load_profile(path)

@@ -245,3 +245,25 @@ def test_cpu_lanes_run_batches_at_once_and_keep_them_apart() -> None:
     outs = run.collect(run.submit([5, 0], [{}] * 2))  # failing in a lane: isolated
     assert outs[0].error is not None and outs[1].output == 0.0
     run.close()
+
+
+def test_compiled_lanes_compile_each_size_once_past_torchs_default_limit() -> None:
+    # Two lanes meeting a new size at once used to compile it twice, and lane threads did
+    # not see the raised recompile limit (torch keeps config per thread): after 8 graphs
+    # torch fell back to eager without an error. 9 sizes, two batches at a time.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU())
+    eager = [conv(torch.from_numpy(tiny_slots(9)[:1]) * 0 + i).mean().item() for i in range(9)]
+    run = ModelRunner(Tiny(lambda x: conv(x).mean(dim=(1, 2, 3))), torch.device("cpu"),
+                      tiny_slots(9), 9, Variant(compile=True), lanes=2)
+    for size in range(1, 10):
+        ids = list(range(size))
+        jobs = [run.submit(ids, [{}] * size), run.submit(ids, [{}] * size)]
+        for job in jobs:
+            assert [o.output for o in run.collect(job)] == pytest.approx(eager[:size], abs=1e-5)
+    assert counters["stats"]["unique_graphs"] == 9
+    run.close()
+    torch._dynamo.reset()
