@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -75,9 +76,10 @@ VARIANTS = {"redbatch": "redbatch end to end",
             "redbatch_batch_1": "redbatch, max batch 1"}
 
 
-def load_variant(variant: str) -> tuple[EfficientNetLite0, torch.nn.Module, bool]:
-    """The handler and the model prepared as the worker runs it (variant named in its log),
-    and whether inputs go channels_last."""
+def load_variant(variant: str) -> tuple[EfficientNetLite0, Callable[[torch.Tensor], torch.Tensor],
+                                        bool]:
+    """The handler and the model prepared as the worker runs it (variant named in its log:
+    memory format, compile, autocast), and whether inputs go channels_last."""
     handler = EfficientNetLite0(LimitSettings())
     model = handler.load(torch.device("cpu"))
     try:
@@ -85,10 +87,19 @@ def load_variant(variant: str) -> tuple[EfficientNetLite0, torch.nn.Module, bool
         from redbatch.gpu_worker.model import prepare_model
 
         v = parse_variant(variant)
-        return handler, prepare_model(model, v, torch.device("cpu")), v.channels_last
+        prepared = prepare_model(model, v, torch.device("cpu"))
     except (ImportError, ValueError) as e:
         print(f"NOTE: in-process baselines run eager: variant {variant!r} unusable ({e})")
         return handler, model, False
+    if v.autocast is None:
+        return handler, prepared, v.channels_last
+    dtype = getattr(torch, v.autocast)
+
+    def autocast(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=dtype):
+            return prepared(x).float()
+
+    return handler, autocast, v.channels_last
 
 
 def in_process(payloads: list[bytes], batch_size: int, variant: str) -> float:

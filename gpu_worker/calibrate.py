@@ -13,6 +13,7 @@ size would eat into the free-memory watermark.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import logging
 import platform
@@ -29,6 +30,7 @@ from redbatch.common.config import LimitSettings, model_name_from_spec
 from redbatch.gpu_worker.handlers import Handler, load_handler
 from redbatch.gpu_worker.model import DEFAULT_MEMORY_WATERMARK, ModelRunner, resolve_device
 from redbatch.gpu_worker.profile import (
+    MAX_OUTPUT_ERROR,
     DeviceInfo,
     Measured,
     Profile,
@@ -55,6 +57,8 @@ CONTENDED_SHARE = 0.75
 #: ... or when three doublings in a row gained less than this factor each (on CPU the
 #: throughput may stay flat from 2 to 8 and still gain 10% by 16).
 PLATEAU_GAIN = 1.02
+#: Batch size at which every variant's outputs are compared with the plain one's.
+ERROR_CHECK_BATCH = 8
 
 Model = Callable[[torch.Tensor], torch.Tensor]
 
@@ -104,10 +108,26 @@ def candidate_variants(device: torch.device, try_compile: bool | None) -> list[V
     if device.type == "cuda":
         dtypes = ["float16"] + (["bfloat16"] if torch.cuda.is_bf16_supported() else [])
         found += [Variant(cl, dt) for dt in dtypes for cl in (False, True)]
+    elif cpu_has_native_bf16():
+        found.append(Variant(channels_last=True, autocast="bfloat16"))
     if try_compile:
-        found += [Variant(v.channels_last, v.autocast, compile=True) for v in found[1:]
-                  if device.type == "cuda" or v.autocast is None]
+        found += [Variant(v.channels_last, v.autocast, compile=True) for v in found[1:]]
     return found
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether the CPU computes in bfloat16 itself (AVX512-BF16, AMX): there bf16
+    autocast runs EfficientNet-Lite0 about twice as fast. Elsewhere oneDNN emulates it,
+    slower than float32, so it is not worth measuring."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
 
 
 def parse_variant(name: str) -> Variant:
@@ -232,6 +252,28 @@ class _Sweep:
                             self.at_once)
         return failed
 
+    def output_errors(self, variants: Sequence[Variant], size: int) -> dict[Variant, float]:
+        """Each variant's outputs against the first's for the same ``size`` inputs: the
+        largest relative L2 distance of a row. Variants whose outputs are not tensors, or
+        that fail, are left out."""
+        ids = list(range(size))
+        outputs: dict[Variant, torch.Tensor] = {}
+        for v in variants:
+            runner = self.runners[v]
+            try:
+                job = runner.submit(ids, [{}] * size)
+                runner.finish(job)
+            except Exception:  # noqa: BLE001 - its timing rows already say it failed
+                continue
+            if isinstance(job.outputs, torch.Tensor):
+                outputs[v] = job.outputs[:size].detach().float().cpu().reshape(size, -1)
+        reference = outputs.get(variants[0])
+        if reference is None:
+            return {}
+        scale = reference.norm(dim=1).clamp_min(1e-12)
+        return {v: float(((out - reference).norm(dim=1) / scale).max())
+                for v, out in outputs.items() if out.shape == reference.shape}
+
     def _run(self, v: Variant, ids: list[int], params: list[dict[str, object]],
              failed: dict[Variant, Row | str]) -> None:
         if v in failed:
@@ -333,6 +375,16 @@ def calibrate(handler: Handler, model: Model, device: torch.device, spec: str, n
            f"{info.torch_threads} torch threads): variants "
            f"{', '.join(v.name for v in variants)}; batch sizes up to {cap}")
     measured, runs = sweep(handler, model, device, variants, cap, settings, report)
+    # Faster is no use if the answers change: compare every variant's outputs with the
+    # plain one's (bf16, fp16 and compiled graphs round differently).
+    # At a size every variant ran (a compiled one would otherwise compile one more shape).
+    check = min([cap, ERROR_CHECK_BATCH, *(m.rows[-1].batch_size for m in measured if m.rows)])
+    errors = runs.output_errors(variants, check)
+    measured = [dataclasses.replace(m, output_error=errors.get(m.variant)) for m in measured]
+    for m in measured:
+        if not m.faithful:
+            report(f"  {m.variant.name}: outputs differ from {variants[0].name}'s by "
+                   f"{m.output_error:.1%} (over {MAX_OUTPUT_ERROR:.0%}): not chosen")
     choice = choose(measured, settings.latency_budget_ms)
     # Sizes just below the powers of two, for the chosen variant only: may round up pay?
     extra = [s for s in between_sizes(choice.max_batch_size)
@@ -367,7 +419,10 @@ def format_table(profile: Profile) -> str:
             lines.append(f"{m.variant.name if i == 0 else '':<24} {r.batch_size:>5} "
                          f"{r.median_ms:>10.1f} {r.p95_ms:>9.1f} {r.images_per_s:>8.1f} "
                          f"{ratio:>8}")
-        lines.append(f"{'':<24} stopped: {m.stopped}")
+        error = "" if m.output_error is None else \
+            f"; outputs {m.output_error:.1%} from {profile.measured[0].variant.name}'s" + \
+            ("" if m.faithful else " (too far: not chosen)")
+        lines.append(f"{'':<24} stopped: {m.stopped}{error}")
     c = profile.choice
     measured_sizes = {r.batch_size for m in profile.measured for r in m.rows}
     between = {s: ms for s, ms in c.latency_ms.items() if s not in measured_sizes}

@@ -29,6 +29,10 @@ PEAK_SHARE = 0.95
 #: A variant or a rounded-up batch size must be this much faster to be preferred over the
 #: plain one: smaller differences are within the noise of a shared machine.
 MEASURABLY_FASTER = 1.05
+#: Largest output_error a variant may have and still be chosen. bf16 and fp16 differ from
+#: float32 by 1-4% on EfficientNet-Lite0 (the same top class on the sample photos); a
+#: variant that overflows, or a compiler bug, differs by far more.
+MAX_OUTPUT_ERROR = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,15 +104,26 @@ class Measured:
     variant: Variant
     rows: tuple[Row, ...]
     stopped: str = ""
+    #: How far its outputs are from the first variant's on the same inputs (relative L2
+    #: norm of the output rows, the largest row); None: not compared.
+    output_error: float | None = None
+
+    @property
+    def faithful(self) -> bool:
+        """Close enough to the plain model's outputs to be chosen (MAX_OUTPUT_ERROR)."""
+        return self.output_error is None or self.output_error <= MAX_OUTPUT_ERROR
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.variant.to_dict(), "rows": [r.to_dict() for r in self.rows],
-                "stopped": self.stopped}
+                "stopped": self.stopped,
+                "output_error": None if self.output_error is None
+                else round(self.output_error, 5)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Measured:
+        error = d.get("output_error")
         return cls(Variant.from_dict(d), tuple(Row.from_dict(r) for r in d["rows"]),
-                   str(d.get("stopped", "")))
+                   str(d.get("stopped", "")), None if error is None else float(error))
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,7 +283,7 @@ def pick_variant(measured: Sequence[Measured], latency_budget_ms: float | None =
         raise ValueError("no variants measured")
     best: tuple[Measured, int, float] | None = None
     for m in measured:
-        if not m.rows:
+        if not m.rows or not m.faithful:
             continue
         size = pick_max_batch(m.rows, latency_budget_ms, share)
         rate = next(r.images_per_s for r in m.rows if r.batch_size == size)

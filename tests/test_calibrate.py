@@ -17,10 +17,11 @@ from redbatch.gpu_worker.calibrate import (
     batch_sizes,
     between_sizes,
     candidate_variants,
+    cpu_has_native_bf16,
     parse_variant,
     stop_reason,
 )
-from redbatch.gpu_worker.profile import Row, Variant, load_profile
+from redbatch.gpu_worker.profile import MAX_OUTPUT_ERROR, Row, Variant, load_profile
 from redbatch.producer.client import Client
 
 PROFILE_KEYS = {"schema", "model", "model_spec", "fingerprint", "device", "torch_version",
@@ -43,7 +44,8 @@ def test_sizes_and_variants() -> None:
     assert between_sizes(16) == [3, 7, 15] and between_sizes(2) == []
     import torch
 
-    assert candidate_variants(torch.device("cpu"), False) == [Variant(), Variant(True)]
+    bf16 = [Variant(True, "bfloat16")] if cpu_has_native_bf16() else []
+    assert candidate_variants(torch.device("cpu"), False) == [Variant(), Variant(True), *bf16]
     assert Variant(True, None, True) in candidate_variants(torch.device("cpu"), True)
     by_default = candidate_variants(torch.device("cpu"), None)
     assert (Variant(True, None, True) in by_default) == any(
@@ -84,7 +86,12 @@ def test_calibrate_writes_a_profile_and_prints_the_table(tmp_path: Path) -> None
     assert data["model"] == "efficientnet_lite0" and data["fingerprint"].startswith("sha256:")
     assert data["device"]["kind"] == "cpu" and data["device"]["torch_threads"] >= 1
     assert data["settings"]["max_batch_cap"] == 4 and data["settings"]["latency_budget_ms"] == 5000
-    assert [v["name"] for v in data["variants"]] == ["eager", "channels_last"]
+    names = ["eager", "channels_last"] + (["channels_last+bf16"] if cpu_has_native_bf16() else [])
+    assert [v["name"] for v in data["variants"]] == names
+    # Every variant's outputs were compared with eager's: bf16 rounds, the others hardly.
+    errors = {v["name"]: v["output_error"] for v in data["variants"]}
+    assert errors["eager"] == 0 and errors["channels_last"] < 1e-3, errors
+    assert all(e <= MAX_OUTPUT_ERROR for e in errors.values()), errors
     for v in data["variants"]:
         sizes = [r["batch_size"] for r in v["rows"]]
         assert sizes == [1, 2, 4][:len(sizes)] and sizes[:1] == [1], "at least batch 1"
@@ -92,7 +99,7 @@ def test_calibrate_writes_a_profile_and_prints_the_table(tmp_path: Path) -> None
                    for r in v["rows"])
     choice = data["choice"]
     assert 1 <= choice["max_batch_size"] <= 4
-    assert choice["variant"]["name"] in ("eager", "channels_last")
+    assert choice["variant"]["name"] in names
     assert "1" in choice["latency_ms"] and choice["reason"]
     profile = load_profile(out)
     assert profile.choice.max_batch_size == choice["max_batch_size"]

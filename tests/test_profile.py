@@ -147,3 +147,13 @@ def test_a_compiled_choice_pads_to_every_compiled_size() -> None:
     compiled = Measured(Variant(True, None, True), table({1: 5.0, 2: 6.0, 4: 8.0, 8: 17.0}))
     c = choose([Measured(Variant(), table({1: 20.0, 2: 40.0, 4: 80.0, 8: 160.0})), compiled])
     assert c.variant.compile and c.max_batch_size == 4 and c.preferred_batch_sizes == (1, 2, 4)
+
+
+def test_a_faster_variant_whose_outputs_differ_too_much_is_not_chosen() -> None:
+    plain = Measured(Variant(), table({1: 20.0, 2: 40.0}), output_error=0.0)
+    close = Measured(Variant(True, "bfloat16"), table({1: 10.0, 2: 20.0}), output_error=0.03)
+    far = Measured(Variant(True, "float16"), table({1: 5.0, 2: 10.0}), output_error=0.5)
+    assert close.faithful and not far.faithful
+    assert choose([plain, close, far]).variant == close.variant
+    assert choose([plain, far]).variant == plain.variant
+    assert Measured.from_dict(far.to_dict()) == far, "the error is kept in the profile"
