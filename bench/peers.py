@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from peer_systems.load import Run, closed_loop, open_loop
+from peer_systems.model import VARIANT_ENV
 from redbatch.common import malloc_tuning
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -198,10 +199,16 @@ def print_table(outcomes: list[Outcome], rate: float) -> None:
             print(_notes(o))
 
 
-def write_csv(outcomes: list[Outcome]) -> None:
+def out_name(args: argparse.Namespace) -> str:
+    """peers, or peers-<variant> when the peers run another variant than eager."""
+    return "peers" if args.peer_variant == "eager" else \
+        "peers-" + args.peer_variant.replace("+", "-")
+
+
+def write_csv(outcomes: list[Outcome], name: str) -> None:
     ours = {run.mode: run for o in outcomes if o.key == "redbatch"
             for run in (o.closed, o.open) if run}
-    with open(OUT / "peers.csv", "w", newline="") as f:
+    with open(OUT / f"{name}.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["system", "config", "mode", "clients", "offered_per_s", "requests", "errors",
                     "unfinished", "duration_s", "throughput", "p50_ms", "p95_ms", "p99_ms",
@@ -250,7 +257,7 @@ def plot(outcomes: list[Outcome], rate: float, args: argparse.Namespace) -> None
         ax.tick_params(axis="x", labelrotation=20)
     fig.suptitle(f"Same model and load, {os.cpu_count()} cores (EfficientNet-Lite0, CPU)")
     fig.tight_layout()
-    fig.savefig(OUT / "peers.png", dpi=110)
+    fig.savefig(OUT / f"{out_name(args)}.png", dpi=110)
 
 
 def print_ratios(outcomes: list[Outcome], rate: float) -> None:
@@ -296,6 +303,10 @@ def parse_args() -> argparse.Namespace:
                         help="batch wait of Ray Serve, queue delay of Triton")
     parser.add_argument("--celery-processes", type=int, default=2,
                         help="prefork processes of celery-prefork")
+    parser.add_argument("--peer-variant", default="eager",
+                        help="the peers' model: eager (what a user would wrap), or a redbatch "
+                             "variant without compile, e.g. channels_last+bf16, to compare the "
+                             "serving alone (writes peers-<variant>.csv/png)")
     args = parser.parse_args()
     args.keys = [k.strip() for k in args.systems.split(",") if k.strip()]
     unknown = set(args.keys) - set(SYSTEMS)
@@ -309,10 +320,12 @@ def main() -> None:
     if malloc_tuning.wanted():  # servers and clients under the worker's malloc settings
         os.execve(sys.executable, [sys.executable, *sys.argv],
                   {**os.environ, **malloc_tuning.MALLOC_ENV})
+    os.environ[VARIANT_ENV] = args.peer_variant  # inherited by every peer's processes
     payloads = photos()
     outcomes = [Outcome(k) for k in args.keys]
     print(f"cores={os.cpu_count()} clients={args.clients} warm-up {args.warmup_s:g}s steady "
-          f"{args.steady_s:g}s ({malloc_tuning.describe()})", flush=True)
+          f"{args.steady_s:g}s peers' model: {args.peer_variant} ({malloc_tuning.describe()})",
+          flush=True)
     print("closed loop:", flush=True)
     for o in outcomes:
         o.closed = run_one(o, factory(o.key, args), closed_phase(args), payloads)
@@ -324,9 +337,10 @@ def main() -> None:
                 o.open = run_one(o, factory(o.key, args), open_phase(args, rate), payloads)
     OUT.mkdir(parents=True, exist_ok=True)
     print_table(outcomes, rate)
-    write_csv(outcomes)
+    name = out_name(args)
+    write_csv(outcomes, name)
     plot(outcomes, rate, args)
-    print("wrote bench/out/peers.csv and bench/out/peers.png")
+    print(f"wrote bench/out/{name}.csv and bench/out/{name}.png")
     print_ratios(outcomes, rate)
 
 

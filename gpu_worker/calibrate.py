@@ -348,7 +348,7 @@ def sweep(handler: Handler, model: Model, device: torch.device, variants: Sequen
                 stopped[v] = got
                 continue
             rows[v].append(got)
-            report(f"  {v.name:<24} batch {size:4d}: {got.median_ms:9.1f} ms  "
+            report(f"  {v.name:<26} batch {size:4d}: {got.median_ms:9.1f} ms  "
                    f"{got.images_per_s:8.1f} img/s")
             if why := stop_reason(rows[v], settings.latency_budget_ms):
                 stopped[v] = why
@@ -409,20 +409,20 @@ def format_table(profile: Profile) -> str:
     lanes = f"{d.lanes} batches at once x " if d.lanes > 1 else ""
     lines = [f"{profile.model} on {d.kind} ({d.name}, {lanes}{d.torch_threads} torch threads), "
              f"torch {profile.torch_version}",
-             f"{'variant':<24} {'batch':>5} {'median_ms':>10} {'p95_ms':>9} {'img/s':>8} "
+             f"{'variant':<26} {'batch':>5} {'median_ms':>10} {'p95_ms':>9} {'img/s':>8} "
              f"{'vs eager':>8}"]
     plain = {r.batch_size: r.images_per_s for r in profile.measured[0].rows}
     for m in profile.measured:
         for i, r in enumerate(m.rows):
             ratio = f"{r.images_per_s / plain[r.batch_size]:.2f}" if plain.get(r.batch_size) \
                 else "-"
-            lines.append(f"{m.variant.name if i == 0 else '':<24} {r.batch_size:>5} "
+            lines.append(f"{m.variant.name if i == 0 else '':<26} {r.batch_size:>5} "
                          f"{r.median_ms:>10.1f} {r.p95_ms:>9.1f} {r.images_per_s:>8.1f} "
                          f"{ratio:>8}")
         error = "" if m.output_error is None else \
             f"; outputs {m.output_error:.1%} from {profile.measured[0].variant.name}'s" + \
             ("" if m.faithful else " (too far: not chosen)")
-        lines.append(f"{'':<24} stopped: {m.stopped}{error}")
+        lines.append(f"{'':<26} stopped: {m.stopped}{error}")
     c = profile.choice
     measured_sizes = {r.batch_size for m in profile.measured for r in m.rows}
     between = {s: ms for s, ms in c.latency_ms.items() if s not in measured_sizes}

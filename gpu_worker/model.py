@@ -211,6 +211,8 @@ class ModelRunner:
         # each size holds this lock.
         self._first_call_lock = threading.Lock()
         self._compiled_sizes: set[int] = set()
+        #: False once ``warmup`` is done: from then on a compile is a surprise worth a warning.
+        self._warming = True
         # Calibration's runners share buffers: they wait for each batch before the next.
         self._host = host_buffers or [
             torch.empty((max_batch_size, *slots.shape[1:]), dtype=self._slots.dtype,
@@ -247,12 +249,17 @@ class ModelRunner:
             ids = list(range(min(size, len(self._slots))))
             pad = size if size > len(ids) else None
             self.run(ids, [{}] * len(ids), pad)  # a model failing here fails the start
+            # Every lane thread once, all at once: a thread's first forward pass (and a
+            # compiled model's guards in it) is paid here rather than by a request.
+            for job in [self.submit(ids, [{}] * len(ids), pad) for _ in range(self.depth)]:
+                self.finish(job)
             start = time.perf_counter()
             self._peak_reset()
             self.run(ids, [{}] * len(ids), pad)
             timings[size] = time.perf_counter() - start
             self._learn_memory(size)
             logger.info("warm-up batch %d: %.1f ms", size, timings[size] * 1000)
+        self._warming = False
         return timings
 
     def _peak_reset(self) -> None:
@@ -273,7 +280,7 @@ class ModelRunner:
         """Gather the slots and start the batch; never raises for a model error (it is
         kept in the returned InFlight for ``collect``). ``pad_to`` rounds the batch up to
         that size with copies of its first input; only the real rows come back."""
-        size = max(len(slot_ids), pad_to or 0)
+        size = self._compiled_size(max(len(slot_ids), pad_to or 0))
         job = InFlight(slot_ids, params, size)
         try:
             if size > self.max_batch_size:
@@ -291,6 +298,14 @@ class ModelRunner:
         except Exception as e:
             job.error = e
         return job
+
+    def _compiled_size(self, size: int) -> int:
+        """A compiled model runs the smallest size it has compiled that holds ``size``: a
+        batch split to isolate a failure must not compile a new graph (seconds, holding
+        the GIL) while serving."""
+        if not self.variant.compile:
+            return size
+        return min((s for s in self._compiled_sizes if s >= size), default=size)
 
     def _gather(self, slot_ids: Sequence[int], size: int) -> tuple[torch.Tensor, int]:
         turn, self._turn = self._turn, (self._turn + 1) % len(self._host)
@@ -320,6 +335,9 @@ class ModelRunner:
         """CPU: the forward pass, here or in a lane thread; a failure is kept in ``job``."""
         start = time.perf_counter()
         first = self.variant.compile and len(host) not in self._compiled_sizes
+        if first and self._compiled_sizes and not self._warming:
+            logger.warning("compiling batch size %d while serving (it was not warmed up)",
+                           len(host))
         try:
             with torch.inference_mode(), self._precision(), \
                     self._first_call_lock if first else nullcontext():

@@ -267,3 +267,23 @@ def test_compiled_lanes_compile_each_size_once_past_torchs_default_limit() -> No
     assert counters["stats"]["unique_graphs"] == 9
     run.close()
     torch._dynamo.reset()
+
+
+def test_a_compiled_model_runs_a_split_batch_at_a_compiled_size() -> None:
+    # Isolating a failure splits a batch (8 -> 4 + 3 + ...): no new graph while serving.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    conv = torch.nn.Conv2d(3, 2, 3, padding=1)
+    run = ModelRunner(Tiny(lambda x: conv(x).mean(dim=(1, 2, 3))), torch.device("cpu"),
+                      tiny_slots(6), 6, Variant(compile=True), lanes=2)
+    run.warmup([2, 4])
+    job = run.submit([5, 1, 3], [{}] * 3)
+    outs = run.collect(job)
+    assert job.size == 4 and len(outs) == 3
+    assert [o.output for o in outs] == pytest.approx(
+        [conv(torch.full((1, 3, 4, 4), float(i))).mean().item() for i in (5, 1, 3)], abs=1e-5)
+    assert counters["stats"]["unique_graphs"] == 2, "only the two warmed-up sizes"
+    run.close()
+    torch._dynamo.reset()

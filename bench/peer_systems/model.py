@@ -4,6 +4,11 @@ Same decode and preprocessing (``EfficientNetLite0.preprocess``), the same eager
 (``load``) and the same top-5 post-processing as the redbatch worker's plain path; what a
 user of another serving system would wrap. Decoding runs in the calling thread, one image
 after another, as it would in a typical handler.
+
+``PEER_MODEL_VARIANT`` (``bench/peers.py --peer-variant``) gives the peers one of redbatch's
+device-path variants instead, e.g. ``channels_last+bf16``: the serving systems compared with
+the same forward pass. Not ``compile``: the peers batch to any size, and a compiled graph per
+size would compile while being measured.
 """
 
 from __future__ import annotations
@@ -14,10 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 from redbatch.common.config import LimitSettings
+from redbatch.gpu_worker.calibrate import parse_variant
 from redbatch.gpu_worker.handlers import EfficientNetLite0
+from redbatch.gpu_worker.model import prepare_model
 
 #: Variable that sets the torch intra-op threads of a peer's model process; unset: all cores.
 THREADS_ENV = "PEER_TORCH_THREADS"
+#: Variable naming the device-path variant of the peers' model; unset: eager float32.
+VARIANT_ENV = "PEER_MODEL_VARIANT"
 
 
 def torch_threads() -> int:
@@ -31,7 +40,12 @@ class Classifier:
     def __init__(self, threads: int | None = None) -> None:
         torch.set_num_threads(threads or torch_threads())
         self.handler = EfficientNetLite0(LimitSettings())
-        self.model = self.handler.load(torch.device("cpu"))
+        self.variant = parse_variant(os.environ.get(VARIANT_ENV) or "eager")
+        if self.variant.compile:
+            raise ValueError(f"{VARIANT_ENV}: compile is not offered to the peers (see above)")
+        self.model = prepare_model(self.handler.load(torch.device("cpu")), self.variant,
+                                   torch.device("cpu"))
+        self._autocast = getattr(torch, self.variant.autocast) if self.variant.autocast else None
         self._buf = np.empty((1, *self.handler.input_shape), np.float32)
 
     def classify(self, payloads: list[bytes]) -> list[dict[str, Any]]:
@@ -41,6 +55,10 @@ class Classifier:
         batch = self._buf[: len(payloads)]
         for i, data in enumerate(payloads):
             self.handler.preprocess(data, "", {}, batch[i])
-        with torch.inference_mode():
-            outputs = self.model(torch.from_numpy(batch))
+        x = torch.from_numpy(batch)
+        if self.variant.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.inference_mode(), torch.autocast("cpu", dtype=self._autocast or torch.bfloat16,
+                                                    enabled=self._autocast is not None):
+            outputs = self.model(x).float()
         return self.handler.postprocess(outputs, [{}] * len(payloads))  # type: ignore[no-any-return]
