@@ -242,20 +242,25 @@ def plot(outcomes: list[Outcome], rate: float, args: argparse.Namespace) -> None
     ax1.set_ylabel("images / s")
     ax1.set_title(f"Saturated throughput, {args.clients} closed-loop clients")
     opened = [o for o in outcomes if o.open]
+    if not opened:  # --open-load 0: the closed loop alone
+        ax2.set_axis_off()
+        ax2.text(0.5, 0.5, "no open-loop phase (--open-load 0)", ha="center", va="center")
     x = range(len(opened))
     for shift, q, color in ((-0.2, 50, "tab:blue"), (0.2, 99, "tab:orange")):
         bars = ax2.bar([i + shift for i in x], [o.open.pct(q) for o in opened],  # type: ignore[union-attr]
                        0.4, label=f"p{q}", color=color)
         ax2.bar_label(bars, fmt="%.0f", fontsize=8)
     ax2.set_xticks(list(x), [o.name for o in opened])
-    ax2.set_yscale("log")
+    if opened:
+        ax2.set_yscale("log")
     ax2.set_ylabel("latency, ms (log)")
     how = "--rate" if args.rate else f"{args.open_load:g} x the best peer's img/s"
     ax2.set_title(f"Latency at {rate:.1f} req/s, open loop ({how})")
     ax2.legend()
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", labelrotation=20)
-    fig.suptitle(f"Same model and load, {os.cpu_count()} cores (EfficientNet-Lite0, CPU)")
+    fig.suptitle(f"Same model and load, {os.cpu_count()} cores (EfficientNet-Lite0, CPU; "
+                 f"peers' forward pass: {args.peer_variant}, redbatch's: its profile's)")
     fig.tight_layout()
     fig.savefig(OUT / f"{out_name(args)}.png", dpi=110)
 

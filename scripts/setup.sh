@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# Idempotent set-up shared by the README's two commands: redis-server when missing, a
+# Idempotent set-up shared by the README's two commands: redis-server and g++ when missing, a
 # virtualenv at .venv with CPU torch and the package. Fast when everything is in place.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "setup: installing redis-server" >&2
+# redis-server for the tests; a C++ compiler for torch.compile on CPU (inductor), which
+# calibration tries and the compiled-path tests exercise.
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v c++ >/dev/null 2>&1 || missing+=(g++)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}" >&2
   if [ "$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi
-  $SUDO apt-get update -qq >&2 && $SUDO apt-get install -y -qq redis-server >&2
+  $SUDO apt-get update -qq >&2 && $SUDO apt-get install -y -qq "${missing[@]}" >&2
 fi
 
 # The stamp records what was installed; reinstall only when pyproject.toml changes.

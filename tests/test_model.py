@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,9 @@ from redbatch.preproc_worker.decode import normalise_into, open_image, resize_ce
 from redbatch.preproc_worker.shm import SlotArray
 
 CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat"}
+#: torch.compile on CPU builds C++ kernels (inductor): the compiled-path tests need a compiler.
+NEEDS_CXX = pytest.mark.skipif(not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")),
+                               reason="no C++ compiler for inductor")
 COFFEE_LABELS = {"espresso", "cup", "coffee mug"}
 
 
@@ -247,6 +251,7 @@ def test_cpu_lanes_run_batches_at_once_and_keep_them_apart() -> None:
     run.close()
 
 
+@NEEDS_CXX
 def test_compiled_lanes_compile_each_size_once_past_torchs_default_limit() -> None:
     # Two lanes meeting a new size at once used to compile it twice, and lane threads did
     # not see the raised recompile limit (torch keeps config per thread): after 8 graphs
@@ -269,6 +274,7 @@ def test_compiled_lanes_compile_each_size_once_past_torchs_default_limit() -> No
     torch._dynamo.reset()
 
 
+@NEEDS_CXX
 def test_a_compiled_model_runs_a_split_batch_at_a_compiled_size() -> None:
     # Isolating a failure splits a batch (8 -> 4 + 3 + ...): no new graph while serving.
     from torch._dynamo.utils import counters
