@@ -116,7 +116,8 @@ class Worker:
         self._in_model = 0  # batches launched and not yet _Ran
         self._alone = False  # a suspect job is in the model
         self._model_depth = 1  # batches in flight at once: the runner's depth (CUDA, CPU lanes)
-        self._launched_at = 0.0
+        #: Launch times of the batches in the model, oldest first (they finish in order).
+        self._launched: deque[float] = deque()
         self._retry_at = 0.0
         self._write_backoff = Backoff()
         self._stop_deadline: float | None = None
@@ -318,12 +319,14 @@ class Worker:
         for job in self.batcher.pop_expired(now):
             self._answers.append(self.writer.failed(job, ErrorCode.EXPIRED, "deadline passed "
                                                     "before the job could run"))
-        if not self._model_busy:
-            self._launch(self._next_suspect() or self.batcher.pop_ready(now), now)
-        elif now - self._launched_at > self.settings.batch_timeout_s:
+        if self._launched and now - self._launched[0] > self.settings.batch_timeout_s:
             # A hung CUDA call cannot be interrupted from Python; only a new process helps.
+            # Checked whether or not the model is busy: with two lanes or CUDA's two batches
+            # in flight, one hung batch leaves room for the others.
             self._handle(_DeviceLost(f"a batch has run for over {self.settings.batch_timeout_s:g}"
                                      " s; the device or model looks hung"))
+        elif not self._model_busy:
+            self._launch(self._next_suspect() or self.batcher.pop_ready(now), now)
         self._flush()
         self._update_gauges(now)
 
@@ -426,7 +429,7 @@ class Worker:
         if not batch:
             return
         self._in_model += 1
-        self._launched_at = now
+        self._launched.append(now)
         self._batches.put((batch, [(now - job.ready_s) * 1000 for job in batch],
                            self.batcher.run_size(len(batch))))
 
@@ -438,6 +441,7 @@ class Worker:
 
     def _on_ran(self, event: _Ran) -> None:
         self._in_model -= 1
+        self._launched.popleft()
         self._alone = False
         n = len(event.batch)
         self.batch_sizes[n] += 1

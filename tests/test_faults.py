@@ -331,6 +331,19 @@ def test_workers_sigkilled_at_random_moments_lose_and_duplicate_nothing(
     check_invariant(r, keys, dict.fromkeys(ids))
 
 
+def test_a_lone_hung_batch_times_out_beside_a_free_lane(
+        redis_url: str, supervised: list[subprocess.Popen[bytes]], tmp_path: Path) -> None:
+    # Two CPU lanes: one hung batch leaves the other lane free, so the model never counts
+    # as busy. The timeout used to be checked only when it was, and this worker hung forever.
+    worker = _killer_worker(redis_url, tmp_path / "w.log", "--batch-timeout-s", "2",
+                            "--cpu-lanes", "2")
+    supervised.append(worker)
+    with Client(redis_url, model="killer") as client:
+        client.submit(CAT, params={"hang": True}, timeout_s=300)
+        assert worker.wait(timeout=60) == 3
+    assert "looks hung" in (tmp_path / "w.log").read_text(errors="replace")
+
+
 def test_a_hung_batch_makes_its_worker_exit_and_the_others_are_answered(
         redis_url: str, r: redis.Redis, supervised: list[subprocess.Popen[bytes]],
         tmp_path: Path) -> None:
