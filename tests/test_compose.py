@@ -199,17 +199,27 @@ class LiveService:
     proc: subprocess.Popen[bytes]
 
 
+@pytest.fixture(scope="module")
+def profile_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One calibration profile folder for the module: the first worker calibrates itself
+    as in a fresh volume, the next one loads its profile, as a replica would."""
+    return tmp_path_factory.mktemp("profiles")
+
+
 @pytest.fixture(scope="module", params=redbatch_services(load_compose()))
-def live_service(request: pytest.FixtureRequest, redis_url: str,
+def live_service(request: pytest.FixtureRequest, redis_url: str, profile_dir: Path,
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveService]:
     """A compose service's command run here as its container would run it, having served
-    one photo: the container's environment, except Redis (the test's), device (cpu) and the
-    metrics port (a free one)."""
+    one photo: the container's environment, except Redis (the test's), device (cpu), the
+    metrics port (a free one) and the calibration (see below)."""
     name = request.param
     service = load_compose()["services"][name]
     port = free_port()
+    # The test's own profile folder, never ~/.cache; calibration without torch.compile,
+    # which would take a minute per start here.
     env = {**service_env(service), "REDBATCH_REDIS_URL": redis_url, "REDBATCH_DEVICE": "cpu",
-           "REDBATCH_METRICS_PORT": str(port), "REDBATCH_METRICS_HOST": "127.0.0.1"}
+           "REDBATCH_METRICS_PORT": str(port), "REDBATCH_METRICS_HOST": "127.0.0.1",
+           "REDBATCH_PROFILE_DIR": str(profile_dir), "REDBATCH_COMPILE": "0"}
     redis.Redis.from_url(redis_url).flushall()
     exe = Path(sys.executable).parent / service["command"][0]
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
