@@ -93,11 +93,16 @@ class CalibrationSettings:
         return cls(max_batch=max_batch, runs=3, warmup_runs=1, quick=True)
 
 
+def cxx_compiler_found() -> bool:
+    """Whether inductor can build CPU kernels here (it needs a C++ compiler)."""
+    return any(shutil.which(cc) for cc in ("c++", "g++", "clang++"))
+
+
 def compile_by_default(device: torch.device) -> bool:
     """Whether calibration tries torch.compile unless told: on CPU, where inductor's
     frozen graphs are much faster (EfficientNet-Lite0: about 1.45x channels_last), when
     it can build them."""
-    return device.type == "cpu" and any(shutil.which(cc) for cc in ("c++", "g++", "clang++"))
+    return device.type == "cpu" and cxx_compiler_found()
 
 
 def candidate_variants(device: torch.device, try_compile: bool | None) -> list[Variant]:
@@ -119,15 +124,19 @@ def cpu_has_native_bf16() -> bool:
     """Whether the CPU computes in bfloat16 itself (AVX512-BF16, AMX): there bf16
     autocast runs EfficientNet-Lite0 about twice as fast. Elsewhere oneDNN emulates it,
     slower than float32, so it is not worth measuring."""
+    return bool(set(_cpuinfo("flags").split()) & {"avx512_bf16", "amx_bf16"})
+
+
+def _cpuinfo(field: str) -> str:
+    """The value of the first ``field`` line of /proc/cpuinfo; '' where there is none."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return False
+    return ""
 
 
 def parse_variant(name: str) -> Variant:
@@ -149,14 +158,7 @@ def device_info(device: torch.device, lanes: int = 1) -> DeviceInfo:
 
 
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
+    return _cpuinfo("model name") or platform.processor() or platform.machine() or "cpu"
 
 
 def fingerprint(handler: Handler, model: Model) -> str:

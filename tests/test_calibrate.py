@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from redbatch.gpu_worker.calibrate import (
     between_sizes,
     candidate_variants,
     cpu_has_native_bf16,
+    cxx_compiler_found,
     parse_variant,
     stop_reason,
 )
@@ -48,8 +48,7 @@ def test_sizes_and_variants() -> None:
     assert candidate_variants(torch.device("cpu"), False) == [Variant(), Variant(True), *bf16]
     assert Variant(True, None, True) in candidate_variants(torch.device("cpu"), True)
     by_default = candidate_variants(torch.device("cpu"), None)
-    assert (Variant(True, None, True) in by_default) == any(
-        shutil.which(cc) for cc in ("c++", "g++", "clang++")), \
+    assert (Variant(True, None, True) in by_default) == cxx_compiler_found(), \
         "compile is tried on CPU by default where inductor can build"
     assert parse_variant("channels_last+fp16") == Variant(True, "float16")
     assert parse_variant("eager") == Variant()

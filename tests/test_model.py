@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +13,7 @@ import torch
 from conftest import SAMPLES
 from PIL import Image
 from redbatch.common.config import LimitSettings
+from redbatch.gpu_worker.calibrate import cxx_compiler_found
 from redbatch.gpu_worker.efficientnet_lite import load_efficientnet_lite0
 from redbatch.gpu_worker.handlers import EfficientNetLite0, Handler, imagenet_labels
 from redbatch.gpu_worker.model import ModelRunner, next_batch_limit, resolve_device
@@ -23,8 +23,7 @@ from redbatch.preproc_worker.shm import SlotArray
 
 CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat"}
 #: torch.compile on CPU builds C++ kernels (inductor): the compiled-path tests need a compiler.
-NEEDS_CXX = pytest.mark.skipif(not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")),
-                               reason="no C++ compiler for inductor")
+NEEDS_CXX = pytest.mark.skipif(not cxx_compiler_found(), reason="no C++ compiler for inductor")
 COFFEE_LABELS = {"espresso", "cup", "coffee mug"}
 
 
