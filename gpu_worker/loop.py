@@ -113,10 +113,10 @@ class Worker:
         self._answers: list[Answer] = []
         self._pending: dict[int, Job] = {}  # pool task key -> job
         self._suspects: deque[Job] = deque()  # jobs delivered before: each runs alone
-        self._in_model = 0  # batches launched and not yet _Ran
         self._alone = False  # a suspect job is in the model
         self._model_depth = 1  # batches in flight at once: the runner's depth (CUDA, CPU lanes)
-        #: Launch times of the batches in the model, oldest first (they finish in order).
+        #: Launch times of the batches in the model (launched, not yet _Ran), oldest first:
+        #: they finish in order.
         self._launched: deque[float] = deque()
         self._retry_at = 0.0
         self._write_backoff = Backoff()
@@ -428,7 +428,6 @@ class Worker:
     def _launch(self, batch: list[Job], now: float) -> None:
         if not batch:
             return
-        self._in_model += 1
         self._launched.append(now)
         self._batches.put((batch, [(now - job.ready_s) * 1000 for job in batch],
                            self.batcher.run_size(len(batch))))
@@ -437,10 +436,9 @@ class Worker:
     def _model_busy(self) -> bool:
         # A suspect runs alone: it may take the whole process down with it.
         depth = 1 if self._suspects or self._alone else self._model_depth
-        return self._in_model >= depth
+        return len(self._launched) >= depth
 
     def _on_ran(self, event: _Ran) -> None:
-        self._in_model -= 1
         self._launched.popleft()
         self._alone = False
         n = len(event.batch)

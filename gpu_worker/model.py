@@ -241,16 +241,17 @@ class ModelRunner:
     # ------------------------------------------------------------------ warm-up
 
     def warmup(self, sizes: Sequence[int]) -> dict[int, float]:
-        """Run each batch size twice so first requests don't pay for lazy init (and, on
-        CUDA, cuDNN's per-shape benchmarking); returns the second (warm) run time of each
-        size in seconds. On CUDA also learns the activation memory per item."""
+        """Run each batch size on every lane, then once more timed, so first requests don't
+        pay for lazy init (on CUDA, cuDNN's per-shape benchmarking; compiled models, the
+        compilation); returns the warm run's time of each size in seconds. On CUDA also
+        learns the activation memory per item."""
         timings = {}
         for size in sorted({min(s, self.max_batch_size) for s in sizes}):
             ids = list(range(min(size, len(self._slots))))
             pad = size if size > len(ids) else None
-            self.run(ids, [{}] * len(ids), pad)  # a model failing here fails the start
             # Every lane thread once, all at once: a thread's first forward pass (and a
-            # compiled model's guards in it) is paid here rather than by a request.
+            # compiled model's guards in it) is paid here rather than by a request. A
+            # model failing here fails the start.
             for job in [self.submit(ids, [{}] * len(ids), pad) for _ in range(self.depth)]:
                 self.finish(job)
             start = time.perf_counter()
@@ -305,7 +306,8 @@ class ModelRunner:
         the GIL) while serving."""
         if not self.variant.compile:
             return size
-        return min((s for s in self._compiled_sizes if s >= size), default=size)
+        # A copy (one C call, under the GIL): a lane thread may add a size meanwhile.
+        return min((s for s in self._compiled_sizes.copy() if s >= size), default=size)
 
     def _gather(self, slot_ids: Sequence[int], size: int) -> tuple[torch.Tensor, int]:
         turn, self._turn = self._turn, (self._turn + 1) % len(self._host)
