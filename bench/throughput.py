@@ -84,22 +84,20 @@ def load_variant(variant: str) -> tuple[EfficientNetLite0, Callable[[torch.Tenso
     model = handler.load(torch.device("cpu"))
     try:
         from redbatch.gpu_worker.calibrate import parse_variant
-        from redbatch.gpu_worker.model import prepare_model
+        from redbatch.gpu_worker.model import precision, prepare_model
 
         v = parse_variant(variant)
         prepared = prepare_model(model, v, torch.device("cpu"))
     except (ImportError, ValueError) as e:
         print(f"NOTE: in-process baselines run eager: variant {variant!r} unusable ({e})")
         return handler, model, False
-    if v.autocast is None:
-        return handler, prepared, v.channels_last
-    dtype = getattr(torch, v.autocast)
 
-    def autocast(x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=dtype):
-            return prepared(x).float()
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with precision("cpu", v.autocast):
+            out: torch.Tensor = prepared(x)
+        return out.float()
 
-    return handler, autocast, v.channels_last
+    return handler, forward, v.channels_last
 
 
 def in_process(payloads: list[bytes], batch_size: int, variant: str) -> float:

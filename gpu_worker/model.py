@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,14 @@ logger = logging.getLogger(__name__)
 #: CUDA: share of device memory kept free; the batch limit is lowered before it is reached.
 DEFAULT_MEMORY_WATERMARK = 0.1
 AUTOCAST_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@contextmanager
+def precision(device_type: str, autocast: str | None) -> Iterator[None]:
+    """torch.autocast to a variant's dtype ('float16', 'bfloat16'); nothing for None."""
+    dtype = AUTOCAST_DTYPES.get(autocast or "")
+    with torch.autocast(device_type, dtype=dtype) if dtype is not None else nullcontext():
+        yield
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -326,12 +334,8 @@ class ModelRunner:
             return inputs.contiguous(memory_format=torch.channels_last)
         return inputs
 
-    @contextmanager
-    def _precision(self) -> Iterator[None]:
-        context = torch.autocast(self.device.type, dtype=self._autocast) \
-            if self._autocast is not None else nullcontext()
-        with context:
-            yield
+    def _precision(self) -> AbstractContextManager[None]:
+        return precision(self.device.type, self.variant.autocast)
 
     def _run_now(self, job: InFlight, host: torch.Tensor) -> None:
         """CPU: the forward pass, here or in a lane thread; a failure is kept in ``job``."""

@@ -21,7 +21,7 @@ import torch
 from redbatch.common.config import LimitSettings
 from redbatch.gpu_worker.calibrate import parse_variant
 from redbatch.gpu_worker.handlers import EfficientNetLite0
-from redbatch.gpu_worker.model import prepare_model
+from redbatch.gpu_worker.model import precision, prepare_model
 
 #: Variable that sets the torch intra-op threads of a peer's model process; unset: all cores.
 THREADS_ENV = "PEER_TORCH_THREADS"
@@ -45,7 +45,6 @@ class Classifier:
             raise ValueError(f"{VARIANT_ENV}: compile is not offered to the peers (see above)")
         self.model = prepare_model(self.handler.load(torch.device("cpu")), self.variant,
                                    torch.device("cpu"))
-        self._autocast = getattr(torch, self.variant.autocast) if self.variant.autocast else None
         self._buf = np.empty((1, *self.handler.input_shape), np.float32)
 
     def classify(self, payloads: list[bytes]) -> list[dict[str, Any]]:
@@ -58,7 +57,6 @@ class Classifier:
         x = torch.from_numpy(batch)
         if self.variant.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        with torch.inference_mode(), torch.autocast("cpu", dtype=self._autocast or torch.bfloat16,
-                                                    enabled=self._autocast is not None):
+        with torch.inference_mode(), precision("cpu", self.variant.autocast):
             outputs = self.model(x).float()
         return self.handler.postprocess(outputs, [{}] * len(payloads))  # type: ignore[no-any-return]
