@@ -30,9 +30,11 @@ from redbatch.common.config import (
     DEFAULT_MAX_INFLIGHT,
     DEFAULT_MAX_PAYLOAD_BYTES,
     DEFAULT_MAX_WAIT_MS,
+    DEFAULT_METRICS_HOST,
     DEFAULT_METRICS_PORT,
     DEFAULT_MODEL,
     DEFAULT_REDIS_URL,
+    DEFAULT_SHM_PREFIX,
     BatchSettings,
     LimitSettings,
     ModelSettings,
@@ -40,9 +42,11 @@ from redbatch.common.config import (
     RedisSettings,
     Settings,
     TuneSettings,
+    check_redis_url,
     default_consumer_name,
     default_pool_processes,
     model_name_from_spec,
+    redact_url,
 )
 from redbatch.common.logs import setup_logging
 from redbatch.common.protocol import DEFAULT_PREFIX, Lane
@@ -71,10 +75,19 @@ def _opt(*names: str, env: str, **kw: Any) -> Callable[[F], F]:
                         show_default=True, **kw)
 
 
+def _redis_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--redis: a URL redis-py would misread is refused here, in one line, redacted."""
+    try:
+        return None if value is None else check_redis_url(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 def _common_options(f: F) -> F:
     for option in reversed([
-        _opt("--redis", "redis_url", env="REDIS_URL", default=None,
-             help="Redis URL, e.g. redis://host:6379/0 or unix:///path/redis.sock."),
+        _opt("--redis", "redis_url", env="REDIS_URL", default=None, callback=_redis_url,
+             help="Redis URL, e.g. redis://host:6379/0, rediss://host:6380/0?ssl_ca_certs="
+                  "ca.pem or unix:///path/redis.sock?password=..."),
         _opt("--prefix", env="PREFIX", default=DEFAULT_PREFIX, help="Prefix of every Redis key."),
         _opt("--model", "model_spec", env="MODEL", default=DEFAULT_MODEL,
              help="Built-in model name, TorchScript file (*.pt), or 'package.module:factory'."),
@@ -160,6 +173,9 @@ def _explicit(ctx: click.Context) -> frozenset[str]:
            "requests wait behind bulk work; bulk-only traffic always gets full batches.")
 @_opt("--pool-processes", env="POOL_PROCESSES", type=click.IntRange(min=1),
       default=default_pool_processes(), help="Preprocessing processes (default: cores - 1).")
+@_opt("--shm-prefix", env="SHM_PREFIX", default=DEFAULT_SHM_PREFIX,
+      help="Start of the worker's /dev/shm names (1-12 of A-Z a-z 0-9 _); at start a worker "
+           "removes what dead workers with the same prefix left there.")
 @_opt("--torch-threads", env="TORCH_THREADS", type=click.IntRange(min=0), default=0,
       help="Torch intra-op threads; 0: on CPU each lane's share of the cores, on CUDA the "
            "cores minus pool processes.")
@@ -183,8 +199,9 @@ def _explicit(ctx: click.Context) -> frozenset[str]:
 @_opt("--metrics-port", env="METRICS_PORT", type=click.IntRange(min=0, max=65535),
       default=DEFAULT_METRICS_PORT,
       help="Port serving /metrics (Prometheus), /healthz and /readyz; 0 turns them off.")
-@_opt("--metrics-host", env="METRICS_HOST", default="0.0.0.0",
-      help="Address the metrics port listens on.")
+@_opt("--metrics-host", env="METRICS_HOST", default=DEFAULT_METRICS_HOST,
+      help="Address the metrics port listens on; 0.0.0.0 for a Prometheus elsewhere "
+           "(the endpoints have no authentication).")
 @_opt("--burst", env="BURST", is_flag=True, default=False,
       help="Exit once the streams are empty and every job is answered.")
 @_tuning_options
@@ -195,7 +212,10 @@ def worker(**options: Any) -> None:
     reexec_with_malloc_tuning("redbatch.common.cli")
     setup_logging(options["log_level"])
     options["explicit"] = _explicit(click.get_current_context())
-    settings = build_settings(options)
+    try:
+        settings = build_settings(options)
+    except ValueError as e:  # a bad --prefix, --model-name or --shm-prefix: one line
+        raise click.ClickException(str(e)) from e
     from redbatch.gpu_worker.loop import Worker
 
     w = Worker(settings)
@@ -221,7 +241,8 @@ def build_settings(options: dict[str, Any]) -> Settings:
                             bulk_share=options["bulk_share"],
                             bulk_starve_ms=options["bulk_starve_ms"],
                             bulk_batch_ms=options["bulk_batch_ms"]),
-        pool=PoolSettings(processes=options["pool_processes"]),
+        pool=PoolSettings(processes=options["pool_processes"],
+                          shm_prefix=options["shm_prefix"]),
         limits=LimitSettings(max_payload_bytes=options["max_payload_bytes"],
                              max_image_pixels=options["max_image_pixels"]),
         model=ModelSettings(spec=spec, name=options["model_name"] or model_name_from_spec(spec),
@@ -443,6 +464,9 @@ def score(inputs: tuple[str, ...], output: str, fmt: str | None, resume: bool,
     except (redis.ConnectionError, redis.TimeoutError) as e:
         raise click.ClickException(f"lost the connection to Redis: {e}; the output holds "
                                    "what was finished, rerun with --resume") from e
+    except redis.ResponseError as e:  # NOPERM, OOM, READONLY...: said by Redis, one line
+        raise click.ClickException(f"Redis refused: {e}; the output holds what was "
+                                   "finished, rerun with --resume") from e
     sys.exit(0 if complete else 130)
 
 
@@ -610,7 +634,7 @@ NEEDS_REDIS = ("{command} looks at a running fleet: give its Redis with --redis 
 
 def _status_options(f: F) -> F:
     for option in reversed([
-        _opt("--redis", "redis_url", env="REDIS_URL", default=None,
+        _opt("--redis", "redis_url", env="REDIS_URL", default=None, callback=_redis_url,
              help="Redis URL of the fleet, e.g. redis://host:6379/0."),
         _opt("--prefix", env="PREFIX", default=DEFAULT_PREFIX, help="Prefix of every Redis key."),
         _opt("--model", "--model-name", "models", env="MODEL_NAME", multiple=True,
@@ -686,6 +710,103 @@ def _top_frames(r: redis.Redis, prefix: str, models: tuple[str, ...]) -> Callabl
             return f"redbatch top: cannot reach Redis ({e}); retrying\n"
 
     return frame
+
+
+# ---------------------------------------------------------------------------- acl
+
+ACL_PASSWORD_HINT = ("--apply shows no password: give --producer-password and "
+                     "--worker-password (or REDBATCH_ACL_PRODUCER_PASSWORD and "
+                     "REDBATCH_ACL_WORKER_PASSWORD)")
+
+
+@main.command()
+@click.option("--model", "models", multiple=True, required=True,
+              help="Served model name the users are for (repeatable).")
+@_opt("--prefix", env="PREFIX", default=DEFAULT_PREFIX, help="Prefix of every Redis key.")
+@click.option("--role", "roles", multiple=True, type=click.Choice(["producer", "worker"]),
+              help="Which users to make (repeatable) [default: both].")
+@_opt("--producer-user", env="ACL_PRODUCER_USER", default="redbatch-producer",
+      help="User name of the producer.")
+@_opt("--worker-user", env="ACL_WORKER_USER", default="redbatch-worker",
+      help="User name of the worker.")
+@_opt("--producer-password", env="ACL_PRODUCER_PASSWORD", default=None,
+      help="The producer's password (prefer the variable: options show in ps); "
+           "default: a random one, shown once.")
+@_opt("--worker-password", env="ACL_WORKER_PASSWORD", default=None,
+      help="The worker's password; default: a random one, shown once.")
+@click.option("--format", "fmt", type=click.Choice(["setuser", "aclfile"]), default="setuser",
+              show_default=True,
+              help="ACL SETUSER commands (pipe them into redis-cli) or ACL file lines.")
+@click.option("--apply", "apply_", is_flag=True, default=False,
+              help="Create the users on --redis (an admin connection) instead of printing.")
+@_opt("--redis", "redis_url", env="REDIS_URL", default=None, callback=_redis_url,
+      help="Admin URL of the Redis the users are for: needed by --apply; without it the "
+           "rules are for Redis 7.2 or later, and the printed URLs name localhost.")
+def acl(models: tuple[str, ...], prefix: str, roles: tuple[str, ...], fmt: str, apply_: bool,
+        redis_url: str | None, **names: str | None) -> None:
+    """Print (or --apply) least-privilege Redis ACL users for producers and workers.
+
+    A producer may submit jobs and read, await and delete results of the --model(s) and
+    nothing else: no writing results or done tokens, no other model, no admin command.
+    A worker may do what a worker does, for those models only. The rules keep only each
+    password's SHA-256 (#<hash>), so they can be stored. The URL to connect with goes to
+    stderr, with the password only when it was generated here. Needs Redis 7.0 or later.
+    """
+    import secrets
+
+    from redbatch.common import acl as rules
+    from redbatch.common.protocol import Keys
+
+    if apply_ and not redis_url:
+        raise click.UsageError("--apply needs --redis: an admin user's URL")
+    wanted = [rules.Role(role) for role in dict.fromkeys(roles or ("producer", "worker"))]
+    given = {role: names[f"{role.value}_password"] for role in wanted}
+    if apply_ and None in given.values():
+        raise click.UsageError(ACL_PASSWORD_HINT)
+    passwords = {role: given[role] or secrets.token_urlsafe(24) for role in wanted}
+    admin = _acl_admin(redis_url)
+    try:
+        version = rules.server_version(admin) if admin else rules.SETINFO_SINCE
+        keys = [Keys(model, prefix) for model in dict.fromkeys(models)]
+        users = [rules.build_user(str(names[f"{role.value}_user"]), role, passwords[role],
+                                  keys, version) for role in wanted]
+        for user in users:
+            if admin is not None and apply_:
+                rules.apply(admin, user)
+            else:
+                click.echo(user.setuser_line() if fmt == "setuser" else user.aclfile_line())
+            shown = None if given[user.role] else passwords[user.role]
+            click.echo(_acl_note(user, models, rules.user_url(redis_url, user.name, shown),
+                                 apply_), err=not apply_)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    except redis.exceptions.NoPermissionError as e:
+        raise click.ClickException(f"NOPERM: {e}; --redis must be an admin user's URL "
+                                   f"(it is {redact_url(str(redis_url))})") from e
+    except redis.RedisError as e:
+        raise click.ClickException(f"Redis at {redact_url(str(redis_url))} refused: {e}") from e
+
+
+def _acl_admin(url: str | None) -> redis.Redis | None:
+    """An admin connection to ``url`` (None without one); one line when it fails."""
+    if url is None:
+        return None
+    from redbatch.common.redis_io import connect
+
+    r = connect(RedisSettings.from_dsn(url))
+    try:
+        r.ping()
+    except redis.RedisError as e:
+        raise click.ClickException(f"cannot reach Redis at {redact_url(url)}: {e}") from e
+    return r
+
+
+def _acl_note(user: Any, models: tuple[str, ...], url: str, applied: bool) -> str:
+    what = f"ACL user {user.name} ({user.role.value} of {', '.join(models)})"
+    hint = "" if ":***@" not in url else " (*** is the password you gave)"
+    if applied:
+        return f"applied {what}: connect with {url}{hint}"
+    return f"# {what}: connect with {url}{hint or ' (a generated password, shown once)'}"
 
 
 if __name__ == "__main__":

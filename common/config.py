@@ -13,7 +13,7 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, unquote_plus, urlsplit
 
 from redbatch.common.protocol import DEFAULT_PREFIX, validate_name
 
@@ -29,6 +29,10 @@ DEFAULT_BULK_STARVE_MS = 500.0
 DEFAULT_MAX_PAYLOAD_BYTES = 20 * 1024 * 1024
 DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
 DEFAULT_METRICS_PORT = 9400
+#: Loopback: /metrics names consumers, depths and error counts, with no authentication.
+DEFAULT_METRICS_HOST = "127.0.0.1"
+REDIS_URL_SCHEMES = ("redis", "rediss", "unix")
+DEFAULT_SHM_PREFIX = "redbatch"
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,18 +45,95 @@ class RedisSettings:
 
     @classmethod
     def from_dsn(cls, url: str, prefix: str = DEFAULT_PREFIX) -> RedisSettings:
-        scheme = urlsplit(url).scheme
-        if scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"unsupported Redis URL scheme {scheme!r} in {url!r}")
-        return cls(url=url, prefix=validate_name(prefix, "prefix"))
+        """Settings for ``url``; ValueError (with the URL redacted) for a URL that
+        :func:`check_redis_url` refuses or a bad prefix."""
+        return cls(url=check_redis_url(url), prefix=validate_name(prefix, "prefix"))
 
     def __repr__(self) -> str:
         # Never log a password that the URL may carry.
-        return f"RedisSettings(url={_redact(self.url)!r}, prefix={self.prefix!r})"
+        return f"RedisSettings(url={redact_url(self.url)!r}, prefix={self.prefix!r})"
 
 
-def _redact(url: str) -> str:
-    return re.sub(r"//([^:@/]*):[^@/]*@", r"//\1:***@", url)
+# A query parameter: its name as written (percent-decoded before it is compared).
+_QUERY_PARAM = re.compile(r"[?&;]([^=&;?#]*)=")
+_URL_HINT = ("percent-encode the user name and password ('/' as %2F, '?' as %3F, "
+             "'#' as %23, '@' as %40, '&' as %26)")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with every password replaced by ``***``: the one function for anything
+    that puts a Redis URL into a log line, an error message or command output.
+
+    Hidden: the userinfo password, taken as everything between the first ':' after
+    '://' and the *last* '@' before any query password, so raw '/', '?', '#', ':' and
+    '@' in it stay hidden too; and all that follows a ``password=`` (or
+    ``ssl_password=``) query parameter. It hides more rather than leak: a URL with no
+    ':' in its userinfo hides the whole userinfo, and one whose query password holds a
+    raw '@' also hides a host part that could be a userinfo. Never raises.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    query = _query_password(rest)
+    head = rest if query is None else rest[:query.start()]
+    tail = "" if query is None else rest[query.start():query.end()] + "***"
+    at = head.rfind("@")
+    # An '@' after a query password may end a userinfo holding '?password=' itself.
+    ambiguous = query is not None and "@" in rest[query.end():]
+    if at >= 0 and not ambiguous:
+        user, colon, _ = head[:at].partition(":")
+        head = (f"{user}:***" if colon else "***") + head[at:]
+    elif at >= 0 or (ambiguous and ":" in head.split("/", 1)[0]):
+        head = "***"
+    return f"{scheme}{sep}{head}{tail}"
+
+
+def _query_password(rest: str) -> re.Match[str] | None:
+    """The first query parameter named like a password (``password``, ``ssl_password``,
+    also percent-encoded or in capitals): redis-py reads those, and a ``unix://`` URL
+    has no other place for one."""
+    for m in _QUERY_PARAM.finditer(rest):
+        if unquote_plus(m.group(1)).strip().lower().endswith("password"):
+            return m
+    return None
+
+
+def check_redis_url(url: str) -> str:
+    """``url`` if redis-py reads it as written, else ValueError whose message shows the
+    URL redacted (:func:`redact_url`) and says how to fix it.
+
+    Refused: a scheme other than redis, rediss and unix; a port that is not a number;
+    an '@' outside the userinfo, a fragment, or a query part that is not ``name=value``
+    (a password holding a raw '/', '?', '#' or '&' splits the URL early, and redis-py
+    would connect elsewhere with a piece of it, or quote that piece in its own error).
+    """
+    shown = redact_url(url)
+    if not url.startswith(tuple(f"{scheme}://" for scheme in REDIS_URL_SCHEMES)):
+        raise ValueError(f"unsupported Redis URL scheme in {shown}: use redis://, "
+                         "rediss:// (TLS) or unix://")
+    try:
+        parts = urlsplit(url)
+        int(parts.port or 0)  # parsing the port raises ValueError for a non-number
+    except ValueError:  # its own text may quote a piece of the password: not kept
+        raise ValueError(f"cannot read the Redis URL {shown}: {_URL_HINT}") from None
+    if _misread(parts):
+        raise ValueError(f"cannot read the Redis URL {shown}: {_URL_HINT}")
+    return url
+
+
+def _misread(parts: SplitResult) -> bool:
+    """True when a part of the URL is where only a split userinfo or query password puts
+    it: an '@' in the path, a fragment, a query part without '=' or with an '@' in its
+    name, or an '@' in a value other than a user name, password or ``ssl_*`` file."""
+    if "@" in parts.path or parts.fragment:
+        return True
+    for piece in filter(None, parts.query.split("&")):
+        name, eq, value = piece.partition("=")
+        name = unquote_plus(name).strip().lower()
+        credential = name.endswith(("password", "username")) or name.startswith("ssl_")
+        if not eq or "@" in name or ("@" in value and not credential):
+            return True
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +183,9 @@ class PoolSettings:
     start_method: str = "spawn"
     #: Times a job is retried after the pool process handling it died.
     crash_retries: int = 1
+    #: Start of the worker's /dev/shm names (1-12 of [A-Za-z0-9_]); a worker reclaims the
+    #: entries of dead workers with its prefix at start (preproc_worker/shm.py).
+    shm_prefix: str = DEFAULT_SHM_PREFIX
 
     def __post_init__(self) -> None:
         if self.processes < 1:
@@ -137,6 +221,9 @@ class ModelSettings:
     autocast: str = ""
     #: torch.compile the model (inductor, static shapes: batches round up to compiled sizes).
     compile: bool = False
+
+    def __post_init__(self) -> None:
+        validate_name(self.served_name)  # a bad --model-name fails here, not in the worker
 
     @property
     def served_name(self) -> str:
@@ -208,8 +295,9 @@ class Settings:
     max_deliveries: int = 3
     #: Port of /metrics, /healthz and /readyz; 0 serves none of them.
     metrics_port: int = DEFAULT_METRICS_PORT
-    #: Address the metrics server listens on; 0.0.0.0 for Prometheus on other hosts.
-    metrics_host: str = "0.0.0.0"
+    #: Address the metrics server listens on; loopback by default (no authentication),
+    #: 0.0.0.0 for Prometheus on other hosts or containers (compose.yaml sets it).
+    metrics_host: str = DEFAULT_METRICS_HOST
     #: A batch running longer than this, seconds, means a hung device or model: the worker
     #: exits (code 3) for its supervisor to restart it, and its jobs are taken over.
     batch_timeout_s: float = 120.0

@@ -29,9 +29,13 @@ WORKER_STOP_TIMEOUT_S = 30.0
 
 def spawn_worker(redis_url: str, args: list[str], env: Mapping[str, str] | None = None,
                  **popen: object) -> subprocess.Popen[bytes]:
-    """Start ``redbatch worker`` as a child process in its own process group."""
-    cmd = [sys.executable, "-m", "redbatch.common.cli", "worker", "--redis", redis_url, *args]
-    full_env = {**os.environ, **(env or {})}
+    """Start ``redbatch worker`` as a child process in its own process group.
+
+    The URL goes in REDBATCH_REDIS_URL, not on the command line, which any user of the
+    machine can read (ps) and which would show the password it may hold.
+    """
+    cmd = [sys.executable, "-m", "redbatch.common.cli", "worker", *args]
+    full_env = {**os.environ, **(env or {}), "REDBATCH_REDIS_URL": redis_url}
     # Its own session, so a terminal's Ctrl-C reaches only us and we stop it in order.
     proc: subprocess.Popen[bytes] = subprocess.Popen(  # type: ignore[call-overload]
         cmd, env=full_env, stdin=subprocess.DEVNULL, start_new_session=True, **popen)

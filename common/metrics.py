@@ -226,7 +226,8 @@ class WorkerMetrics:
 
 class Health:
     """What /healthz and /readyz answer. Written by the worker's threads, read by the HTTP
-    thread; each field is one assignment, so no lock is needed."""
+    thread; each change is one assignment or one dict operation (atomic under the GIL), so
+    no lock is needed."""
 
     def __init__(self, stall_s: float = 60.0, redis_stale_s: float = 10.0) -> None:
         #: The main loop has not stepped for this long: it hangs (it wakes at least every
@@ -238,12 +239,23 @@ class Health:
         self.stopping = False
         self._stepped_at: float | None = None  # None while starting: loading is not a hang
         self._redis_ok_at = float("-inf")
+        #: What Redis refuses this worker now, by who asked (writes, reads, heartbeat):
+        #: Redis answers, but a worker that cannot write its results is not ready.
+        self._refused: dict[str, str] = {}
 
     def stepped(self) -> None:
         self._stepped_at = time.monotonic()
 
     def redis_reached(self) -> None:
         self._redis_ok_at = time.monotonic()
+
+    def refused(self, source: str, reason: str) -> None:
+        """Redis refused ``source``'s commands (OOM, READONLY, NOPERM...): not ready."""
+        self._refused[source] = reason
+
+    def accepted(self, source: str) -> None:
+        """``source``'s commands go through again."""
+        self._refused.pop(source, None)
 
     def alive(self) -> tuple[bool, str]:
         stepped = self._stepped_at
@@ -258,6 +270,10 @@ class Health:
             return False, "model loading"
         if time.monotonic() - self._redis_ok_at > self.redis_stale_s:
             return False, "Redis not reachable"
+        refused = dict(self._refused)  # a copy: other threads add and remove sources
+        if refused:
+            return False, "Redis refuses " + "; ".join(f"{source}: {reason}"
+                                                       for source, reason in refused.items())
         return True, "ok"
 
 

@@ -7,6 +7,10 @@ stream, group or field name; everything else asks it.
 Envelopes are msgpack maps with string keys. ``decode`` functions validate
 types and sizes and raise :class:`ProtocolError` carrying a stable
 :class:`ErrorCode`; they never evaluate, import or unpickle anything.
+
+It is longer than our modules usually are (about 700 lines) because it follows the page
+section by section (names, keys, admission script, limits, envelopes, fleet records), and
+keeping every spelling of the protocol in one module is the point of it.
 """
 
 from __future__ import annotations
@@ -45,12 +49,33 @@ DLQ_AT_MS = "at_ms"
 #: Dead-letter entries kept at most (approximate trim), so the DLQ cannot grow without bound.
 DLQ_MAX_LEN = 100_000
 
+# Limits on what a worker parses (PROTOCOL.md "Limits" lists each; a test compares them).
 MAX_ENVELOPE_OVERHEAD_BYTES = 64 * 1024
+"""A ``job`` field may be this many bytes longer than the payload limit (the envelope's
+other fields); a longer one is answered ``payload_too_large`` unread."""
 MAX_PARAMS = 32
-MAX_STR_BYTES = 4096
+"""Entries of an envelope's ``params`` map."""
+MAX_NAME_CHARS = 64
+"""Longest model, prefix or reply-list name."""
+MAX_REQUEST_ID_CHARS = 128
+"""Longest request id."""
+MAX_CONTENT_TYPE_BYTES = 4096
+"""Longest ``content_type``, UTF-8 bytes; a longer one is ``bad_envelope``."""
+MAX_STR_BYTES = 64 * 1024
+"""Longest msgpack str anywhere in an envelope, UTF-8 bytes."""
+MAX_ARRAY_LEN = 4096
+"""Most items of any msgpack array in an envelope."""
+MAX_MAP_LEN = 256
+"""Most entries of any msgpack map in an envelope."""
+MAX_DEPTH = 1024
+"""Deepest nesting of msgpack arrays and maps: the msgpack extension's own fixed stack,
+which it enforces with an empty StackError (stated here so the page can name it)."""
+MAX_RESULT_BYTES = 64 * 1024 * 1024
+"""Largest result envelope the Python client decodes."""
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
-_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+# fullmatch only: "$" in re.match also matches before a trailing newline.
+_NAME_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.\-]{{0,{MAX_NAME_CHARS - 1}}}")
+_REQUEST_ID_RE = re.compile(rf"[A-Za-z0-9_.:\-]{{1,{MAX_REQUEST_ID_CHARS}}}")
 
 
 class Lane(str, Enum):
@@ -74,10 +99,15 @@ class ErrorCode(str, Enum):
     BAD_REQUEST_ID = "bad_request_id"
     WRONG_MODEL = "wrong_model"
     """The envelope names another model than the stream it was put on."""
+    WRONG_LANE = "wrong_lane"
+    """The envelope's ``lane`` is not the lane of the stream it was put on (a bulk job
+    labelled interactive would be scheduled ahead of the interactive queue)."""
     PAYLOAD_TOO_LARGE = "payload_too_large"
     BAD_IMAGE = "bad_image"
     """Not an image, truncated, or corrupt."""
     UNSUPPORTED_FORMAT = "unsupported_format"
+    """A recognised format that is not accepted (preproc_worker/decode.py lists them by
+    signature), or an accepted one in a variant with no decoder (a TIFF compression)."""
     IMAGE_TOO_LARGE = "image_too_large"
     """Declared dimensions exceed the pixel or side limits (decompression bomb)."""
     BAD_INPUT = "bad_input"
@@ -100,6 +130,10 @@ class ErrorCode(str, Enum):
     """The request id belongs to another job still queued, running, or with a live result.
     Refused at submit by ADMIT_SCRIPT; an entry added past it (plain XADD) is not run and
     goes to the dead-letter stream with this reason, and the first job keeps the id."""
+    UNDELIVERABLE = "undeliverable"
+    """Never written into a result, a dead-letter reason only: the answer's own keys (its
+    done list, result key or reply list) hold another type, planted by someone, so the
+    answer could not be written; the job is dead-lettered with its decoded envelope."""
 
 
 class ProtocolError(Exception):
@@ -126,13 +160,15 @@ def validate_name(name: str, what: str = "model") -> str:
     keeping them to a small alphabet stops slashes, braces (hash tags) and
     whitespace from making keys ambiguous.
     """
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"invalid {what} name {name!r}: use 1-64 of [A-Za-z0-9_.-]")
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise ValueError(f"invalid {what} name {name!r:.100}: use 1-{MAX_NAME_CHARS} of "
+                         "[A-Za-z0-9_.-], starting with a letter or digit")
     return name
 
 
 def valid_request_id(request_id: object) -> bool:
-    return isinstance(request_id, str) and bool(_REQUEST_ID_RE.match(request_id))
+    """True for a str of 1-MAX_REQUEST_ID_CHARS characters of ``A-Z a-z 0-9 _ . : -``."""
+    return isinstance(request_id, str) and bool(_REQUEST_ID_RE.fullmatch(request_id))
 
 
 def new_request_id() -> str:
@@ -187,7 +223,7 @@ class Keys:
     def is_reply(self, key: str) -> bool:
         """True for a key :meth:`reply` can produce; workers write no other list a job names."""
         prefix = f"{self._base}:reply:"
-        return key.startswith(prefix) and bool(_NAME_RE.match(key[len(prefix):]))
+        return key.startswith(prefix) and bool(_NAME_RE.fullmatch(key[len(prefix):]))
 
     def owner(self, request_id: str) -> str:
         """String key naming the stream entry id of the job that owns ``request_id``, for
@@ -216,26 +252,57 @@ class Keys:
 
 # --------------------------------------------------------------------------- admission
 
-ADMIT_SCRIPT = """\
--- KEYS[1] = lane stream, KEYS[2] = limits hash, KEYS[3] = owner key of the request id
--- ARGV[1] = lane, ARGV[2] = owner TTL in ms, ARGV[3..] = entry fields
-local bound = tonumber(redis.call('HGET', KEYS[2], ARGV[1]))
+MAX_OWNER_TTL_DIGITS = 15
+"""Longest owner TTL the admission script takes, decimal digits (about 31,000 years in ms)."""
+
+ADMIT_SCRIPT = f"""\
+-- redbatch admission script, protocol 1 (revision 2: every check before the first write)
+-- KEYS: P:{{M}}:jobs:<lane>  P:{{M}}:limits  P:{{M}}:owner:<request id>
+-- ARGV: <lane>  <owner TTL ms>  rid  <request id>  job  <msgpack job envelope>
+local function bad(why) return redis.error_reply('BAD_CALL ' .. why) end
+if #KEYS ~= 3 or #ARGV ~= 6 then return bad('expected 3 keys and 6 arguments') end
+local lane, ttl, rid = ARGV[1], ARGV[2], ARGV[4]
+if lane ~= 'interactive' and lane ~= 'bulk' then return bad('unknown lane') end
+if ARGV[3] ~= 'rid' or ARGV[5] ~= 'job' then return bad('fields must be rid and job') end
+if #rid > {MAX_REQUEST_ID_CHARS} or not rid:find('^[A-Za-z0-9_.:%-]+$') then
+  return bad('unusable request id')
+end
+if #ttl > {MAX_OWNER_TTL_DIGITS} or not ttl:find('^[1-9][0-9]*$') then
+  return bad('owner TTL must be a positive integer')
+end
+local name = '[A-Za-z0-9][A-Za-z0-9_.%-]*'
+local base = KEYS[1]:match('^(.+):jobs:' .. lane .. '$') or ''
+local prefix, model = base:match('^(' .. name .. '):{{(' .. name .. ')}}$')
+if not prefix or #prefix > {MAX_NAME_CHARS} or #model > {MAX_NAME_CHARS} then
+  return bad('KEYS[1] is not the stream of the lane')
+end
+if KEYS[2] ~= base .. ':limits' then return bad('KEYS[2] is not the limits hash') end
+if KEYS[3] ~= base .. ':owner:' .. rid then return bad('KEYS[3] is not the owner key') end
+if redis.acl_check_cmd and not redis.acl_check_cmd('SET', KEYS[3], '0-1', 'PX', ttl) then
+  return redis.error_reply('NOPERM this user may not SET ' .. KEYS[3])
+end
+local bound = tonumber(redis.call('HGET', KEYS[2], lane))
 if bound and redis.call('XLEN', KEYS[1]) >= bound then
   return redis.error_reply('QUEUE_FULL ' .. bound)
 end
 if redis.call('EXISTS', KEYS[3]) == 1 then
-  return redis.error_reply('DUPLICATE_REQUEST_ID')
+  local owner = redis.pcall('GET', KEYS[3])
+  if type(owner) ~= 'string' or not owner:find('^%d+%-%d+$') then owner = '?' end
+  return redis.error_reply('DUPLICATE_REQUEST_ID ' .. owner)
 end
-local id = redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
-redis.call('SET', KEYS[3], id, 'PX', ARGV[2])
+local id = redis.call('XADD', KEYS[1], '*', 'rid', rid, 'job', ARGV[6])
+redis.call('SET', KEYS[3], id, 'PX', ttl)
 return id
 """
 """Admission: XADD a job only while its lane's stream holds fewer entries than the
 lane's bound in :meth:`Keys.limits`, and only if its request id is free; then record the
-new entry as the id's owner. One Lua script, so it is atomic. Workers XDEL each entry
-when they answer it, so XLEN is exactly the jobs queued or in progress. Returns the
-entry id, or an error reply ``QUEUE_FULL <bound>`` or ``DUPLICATE_REQUEST_ID``. Run it
-with EVALSHA; PROTOCOL.md holds the same text."""
+new entry as the id's owner. One Lua script, so it is atomic; and every check (the call's
+shape, the keys, the TTL, the ACL of the SET) comes before its first write, so an error
+reply means nothing was written (Redis refuses a script's first write under OOM, and
+never a later one). Workers XDEL each entry when they answer it, so XLEN is exactly the
+jobs queued or in progress. Returns the entry id, or an error reply whose first word is
+its code (ADMIT_ERROR_CODES). Run it with EVALSHA; PROTOCOL.md holds the same text.
+Each client sends its own copy, so a new revision never breaks an older client."""
 
 OWNER_TTL_PAD_MS = 600_000
 """Added to a job's own time budget for its owner key's TTL at submit; a job with no
@@ -254,14 +321,35 @@ NO_DEADLINE_OWNER_TTL_MS = 24 * 3600 * 1000
 
 
 def owner_ttl_ms(budget_ms: int | None) -> int:
-    """TTL of a request id's owner key, set at submit."""
+    """TTL of a request id's owner key at submit, ms: ``max(0, budget_ms) + 600,000``, or
+    86,400,000 without a deadline; always a positive integer, as the script requires."""
     return NO_DEADLINE_OWNER_TTL_MS if budget_ms is None else max(0, budget_ms) + OWNER_TTL_PAD_MS
 
 
 QUEUE_FULL_REPLY = "QUEUE_FULL"
-"""First word of the admission script's error reply when a lane is at its bound."""
+"""Code of the admission script's error reply ``QUEUE_FULL <bound>``: the lane is at its
+bound (the number as Lua prints it)."""
 DUPLICATE_REPLY = "DUPLICATE_REQUEST_ID"
-"""The admission script's error reply when the request id already has an owner."""
+"""Code of the admission script's error reply ``DUPLICATE_REQUEST_ID <owner>``: the request
+id already has an owner, the stream entry id it names (``?`` if the key holds no entry id)."""
+BAD_CALL_REPLY = "BAD_CALL"
+"""Code of the admission script's error reply ``BAD_CALL <what>``: the call itself is
+malformed (argument count, lane, fields, request id, TTL, or keys of another model/id)."""
+NOPERM_REPLY = "NOPERM"
+"""Code of the admission script's error reply ``NOPERM <what>`` (Redis 7 ACLs): the user may
+add to the stream but not SET the owner key, so the script refuses before adding."""
+ADMIT_ERROR_CODES = (QUEUE_FULL_REPLY, DUPLICATE_REPLY, BAD_CALL_REPLY, NOPERM_REPLY)
+"""Every error code the admission script itself replies; each reply is ``CODE text``."""
+
+
+def error_reply_code(message: str) -> str:
+    """The code of a Redis error reply: its first word (``QUEUE_FULL 5`` -> ``QUEUE_FULL``).
+
+    Give it the reply as it arrived, without the leading ``-``. redis-py's message of a
+    plain ResponseError qualifies (it strips a leading ``ERR ``, which no admission reply
+    carries); codes it knows (NOPERM, WRONGTYPE, OOM, ...) become their own exception
+    classes, whose message lacks the code."""
+    return message.split(" ", 1)[0]
 
 
 def parse_queue_bound(raw: bytes | str | None) -> int | None:
@@ -290,7 +378,9 @@ def packb(obj: Any) -> bytes:
 
 
 def unpackb(data: bytes, max_bytes: int) -> Any:
-    """Decode msgpack with size limits; raises ProtocolError(BAD_ENVELOPE)."""
+    """Decode msgpack within the limits above (str, array, map, nesting; bin and the whole
+    body at most ``max_bytes``). Raises ProtocolError: PAYLOAD_TOO_LARGE for a body over
+    ``max_bytes``, BAD_ENVELOPE (saying what is wrong) for anything else."""
     if len(data) > max_bytes:
         raise ProtocolError(ErrorCode.PAYLOAD_TOO_LARGE, f"envelope of {len(data)} bytes")
     try:
@@ -299,13 +389,17 @@ def unpackb(data: bytes, max_bytes: int) -> Any:
             raw=False,
             strict_map_key=True,
             ext_hook=_refuse_ext,
-            max_str_len=MAX_STR_BYTES * 16,
+            max_str_len=MAX_STR_BYTES,
             max_bin_len=max_bytes,
-            max_array_len=4096,
-            max_map_len=256,
+            max_array_len=MAX_ARRAY_LEN,
+            max_map_len=MAX_MAP_LEN,
         )
+    except msgpack.StackError as e:  # its message is empty
+        raise ProtocolError(ErrorCode.BAD_ENVELOPE, "body nests arrays or maps deeper than "
+                            f"{MAX_DEPTH} levels") from e
     except Exception as e:  # msgpack raises many types; all mean "not our envelope"
-        raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"body is not valid msgpack: {e}") from e
+        detail = str(e) or type(e).__name__
+        raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"body is not valid msgpack: {detail}") from e
 
 
 # --------------------------------------------------------------------------- job
@@ -421,11 +515,14 @@ def _job_from_body(request_id: str, body: Any, max_payload_bytes: int) -> JobEnv
     reply_to = body.get("reply_to")
     if reply_to is not None and not isinstance(reply_to, str):
         raise ProtocolError(ErrorCode.BAD_ENVELOPE, "field 'reply_to' must be a string or nil")
+    if len(body["content_type"].encode(errors="surrogatepass")) > MAX_CONTENT_TYPE_BYTES:
+        raise ProtocolError(ErrorCode.BAD_ENVELOPE,
+                            f"content_type longer than {MAX_CONTENT_TYPE_BYTES} bytes")
     return JobEnvelope(
         request_id=request_id,
         model=body["model"],
         payload=body["payload"],
-        content_type=body["content_type"][:MAX_STR_BYTES],
+        content_type=body["content_type"],
         submitted_ms=body["submitted_ms"],
         deadline_ms=body["deadline_ms"],
         lane=lane,
@@ -434,10 +531,14 @@ def _job_from_body(request_id: str, body: Any, max_payload_bytes: int) -> JobEnv
     )
 
 
-def _check_params(params: dict[str, Any]) -> dict[str, Any]:
+def _check_params(params: dict[Any, Any]) -> dict[str, Any]:
+    """``params`` as the page allows it: at most MAX_PARAMS str keys to scalars."""
     if len(params) > MAX_PARAMS:
         raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"more than {MAX_PARAMS} params")
     for key, value in params.items():
+        if not isinstance(key, str):  # a msgpack bin key decodes as bytes
+            kind = type(key).__name__
+            raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"param key {key!r:.80} is a {kind}")
         if not isinstance(value, str | int | float | bool | type(None)):
             kind = type(value).__name__
             raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"param {key!r} has type {kind}")
@@ -495,7 +596,7 @@ class ResultEnvelope:
         )
 
     @classmethod
-    def decode(cls, data: bytes, max_bytes: int = 64 * 1024 * 1024) -> ResultEnvelope:
+    def decode(cls, data: bytes, max_bytes: int = MAX_RESULT_BYTES) -> ResultEnvelope:
         body = unpackb(data, max_bytes)
         _check_fields(body, {"v": (int,), "id": (str,), "status": (str,)})
         error = body.get("error") or {}
@@ -555,7 +656,7 @@ def job_stream_pattern(prefix: str) -> str:
 def parse_job_stream(prefix: str, key: str) -> tuple[str, Lane] | None:
     """``(model, lane)`` of a job stream key, or None for any other key."""
     m = re.fullmatch(rf"{re.escape(prefix)}:\{{([^{{}}]+)\}}:jobs:([a-z]+)", key)
-    if m is None or not _NAME_RE.match(m.group(1)):
+    if m is None or not _NAME_RE.fullmatch(m.group(1)):
         return None
     try:
         return m.group(1), Lane(m.group(2))

@@ -20,7 +20,32 @@ class RedisUnavailable(ConnectionError):
     """Redis could not be reached or dropped the connection."""
 
 
+class RedisRefused(Exception):
+    """Redis answered but refused a whole transaction, so none of it was applied: it is
+    out of memory under ``noeviction`` (OOM), a replica (READONLY), still loading, denied
+    by an ACL (NOPERM), or failing over. Retry with back-off; nothing is lost meanwhile."""
+
+
 REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+
+#: Error codes with which Redis refuses writes whatever the key: out of memory, a replica,
+#: an ACL, a failed background save (MISCONF), a failover or a cluster in trouble.
+REFUSALS = frozenset({"OOM", "READONLY", "NOPERM", "MISCONF", "MASTERDOWN", "NOREPLICAS",
+                      "CLUSTERDOWN", "TRYAGAIN", "BUSY", "EXECABORT"})
+
+
+def error_code(e: BaseException) -> str:
+    """The first word of a Redis error reply (``OOM``, ``READONLY``, ``WRONGTYPE``,
+    ``NOGROUP``...), as redis-py keeps it; ``ERR`` for a reply it stripped to text."""
+    words = str(e).split(maxsplit=1)
+    first = words[0] if words else ""
+    if isinstance(e, redis.exceptions.OutOfMemoryError):
+        return "OOM"
+    if isinstance(e, redis.exceptions.ReadOnlyError):
+        return "READONLY"
+    if isinstance(e, redis.exceptions.NoPermissionError):
+        return "NOPERM"
+    return first if first.isupper() else "ERR"
 
 
 def connect(settings: RedisSettings, *, blocking: bool = False) -> redis.Redis:

@@ -26,6 +26,7 @@ from dataclasses import replace
 
 import redis
 from redbatch import __version__
+from redbatch.common.metrics import Health
 from redbatch.common.protocol import (
     HEARTBEAT_INTERVAL_S,
     WORKER_RECORD_TTL_MS,
@@ -33,6 +34,7 @@ from redbatch.common.protocol import (
     Keys,
     WorkerRecord,
 )
+from redbatch.common.redis_io import REFUSALS, error_code
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +50,12 @@ class Heartbeat:
     """
 
     def __init__(self, r: redis.Redis, keys: Keys, template: WorkerRecord,
-                 inflight: Callable[[], int], interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+                 inflight: Callable[[], int], interval_s: float = HEARTBEAT_INTERVAL_S,
+                 health: Health | None = None) -> None:
         self._redis = r
+        #: Told when Redis refuses the beat's writes (OOM, READONLY...), so /readyz fails
+        #: even while no job is in flight to find out.
+        self._health = health
         self.keys = keys
         self._template = template
         self._inflight = inflight
@@ -62,13 +68,14 @@ class Heartbeat:
     def for_worker(cls, r: redis.Redis, keys: Keys, consumer: str, device: str,
                    max_batch_size: int, inflight: Callable[[], int],
                    metrics_port: int | None = None,
-                   interval_s: float = HEARTBEAT_INTERVAL_S) -> Heartbeat:
+                   interval_s: float = HEARTBEAT_INTERVAL_S,
+                   health: Health | None = None) -> Heartbeat:
         """A heartbeat describing the calling process as a worker that starts serving now."""
         template = WorkerRecord(consumer=consumer, host=socket.gethostname(), pid=os.getpid(),
                                 version=__version__, device=device,
                                 max_batch_size=max_batch_size, started_ms=_now_ms(),
                                 last_seen_ms=0, inflight=0, metrics_port=metrics_port)
-        return cls(r, keys, template, inflight, interval_s)
+        return cls(r, keys, template, inflight, interval_s, health)
 
     def start(self) -> None:
         """Beat once now (so the worker is listed as soon as it serves), then in a thread."""
@@ -94,10 +101,14 @@ class Heartbeat:
                 logger.warning("heartbeat failed (%s); retrying every %.0fs quietly", e,
                                self._interval_s)
             self._failing = True
+            if self._health is not None and error_code(e) in REFUSALS:
+                self._health.refused("heartbeat", f"{error_code(e)}: {e}")
             return
         if self._failing:
             logger.info("heartbeat written again")
         self._failing = False
+        if self._health is not None:
+            self._health.accepted("heartbeat")
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):

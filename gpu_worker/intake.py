@@ -55,6 +55,8 @@ class Job:
     """Monotonic time after which it is answered ``expired``; None for no deadline."""
     taken_over: bool = False
     """Read from a worker that died or stalled holding it: it runs alone (see reclaim.py)."""
+    deliveries: int = 1
+    """How many times Redis has delivered its entry, this time included."""
     slot: int = -1
     preprocess_ms: float = 0.0
     ready_s: float = 0.0
@@ -168,10 +170,12 @@ class Intake:
             item = self._decode(stream, entry, now_ms, delivered)
             if isinstance(item, Job):
                 item.taken_over = taken_over
+                item.deliveries = delivered
                 jobs.append(item)
             else:
                 bad.append(item)
-        jobs, bad = self._drop_duplicates(jobs, bad)
+        raw = {entry_id: fields for _, (entry_id, fields) in entries}
+        jobs, bad = self._drop_duplicates(jobs, bad, raw)
         # Only now, with nothing left to fail, are the entries ours to renew. Had a call
         # above failed (Redis went away), they would stay pending without a lease and be
         # taken over once idle, by this worker or another, instead of renewed forever.
@@ -179,10 +183,12 @@ class Intake:
             self.reclaimer.leases.hold(stream, entry_id)
         return jobs, bad
 
-    def _drop_duplicates(self, jobs: list[Job],
-                         bad: list[BadEntry]) -> tuple[list[Job], list[BadEntry]]:
+    def _drop_duplicates(self, jobs: list[Job], bad: list[BadEntry],
+                         raw: Mapping[bytes, Mapping[bytes, bytes]]) -> tuple[
+            list[Job], list[BadEntry]]:
         """Claim each request id for its entry; entries whose id another entry owns are
-        dead-lettered unanswered (see NOTE [ Request id owners ] in protocol.py)."""
+        dead-lettered unanswered, with their fields as read (``raw``, by entry id; see
+        NOTE [ Request id owners ] in protocol.py)."""
         claims: list[Job | BadEntry] = [*jobs, *(b for b in bad if b.request_id is not None)]
         if not claims:
             return jobs, bad
@@ -198,7 +204,7 @@ class Intake:
         for item, owner in zip(claims, pipe.execute(raise_on_error=False), strict=True):
             if isinstance(owner, bytes) and owner != item.entry_id:
                 duplicates.add(id(item))
-                bad.append(_duplicate(item, owner))
+                bad.append(_duplicate(item, owner, raw[item.entry_id]))
         if duplicates:
             bad = [b for b in bad if id(b) not in duplicates]
             logger.warning("dead-lettered %d entries whose request id belongs to another job",
@@ -261,6 +267,11 @@ class Intake:
         if env.model != self.keys.model:
             return BadEntry(stream, entry_id, env.request_id, ErrorCode.WRONG_MODEL,
                             f"job for model {env.model!r} on the stream of {self.keys.model!r}")
+        if self.keys.stream(env.lane) != stream:
+            # The batcher schedules by the envelope's lane: a mislabelled bulk job would
+            # jump the interactive queue.
+            return BadEntry(stream, entry_id, env.request_id, ErrorCode.WRONG_LANE,
+                            f"job for lane {env.lane.value!r} on the stream {stream!r}")
         if env.reply_to is not None and not self.keys.is_reply(env.reply_to):
             # Never let a job make the worker write to an arbitrary key.
             return BadEntry(stream, entry_id, env.request_id, ErrorCode.BAD_ENVELOPE,
@@ -268,13 +279,12 @@ class Intake:
         return _job(env, stream, entry_id, now_ms)
 
 
-def _duplicate(item: Job | BadEntry, owner: bytes) -> BadEntry:
+def _duplicate(item: Job | BadEntry, owner: bytes, fields: Mapping[bytes, bytes]) -> BadEntry:
     # No request id on purpose: answering it would write the first job's result key.
-    fields = item.fields if isinstance(item, BadEntry) else \
-        {name.encode(): value for name, value in item.envelope.encode().items()}
     return BadEntry(item.stream, item.entry_id, None, ErrorCode.DUPLICATE_REQUEST_ID,
-                    f"request id {item.request_id!r} belongs to entry {owner.decode()} "
-                    f"of {item.stream}", dead_letter=True, fields=fields)
+                    f"request id {item.request_id!r} belongs to entry "
+                    f"{owner.decode(errors='replace')} of {item.stream}", dead_letter=True,
+                    fields=fields, deliveries=item.deliveries)
 
 
 def _entry_ms(entry_id: bytes) -> int:

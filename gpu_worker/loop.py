@@ -44,12 +44,20 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 from redbatch import __version__
 from redbatch.common import malloc_tuning
 from redbatch.common.config import Settings
 from redbatch.common.metrics import Health, MetricsServer, WorkerMetrics
 from redbatch.common.protocol import ErrorCode, Keys, Lane
-from redbatch.common.redis_io import REDIS_ERRORS, Backoff, RedisUnavailable, connect
+from redbatch.common.redis_io import (
+    REDIS_ERRORS,
+    Backoff,
+    RedisRefused,
+    RedisUnavailable,
+    connect,
+    error_code,
+)
 from redbatch.gpu_worker.batcher import Batcher, LanePolicy, LatencyEstimator
 from redbatch.gpu_worker.capacity import Capacity
 from redbatch.gpu_worker.handlers import Handler, load_handler
@@ -120,6 +128,12 @@ class Worker:
         self._launched: deque[float] = deque()
         self._retry_at = 0.0
         self._write_backoff = Backoff()
+        #: Answers the writer held back (dead letters while the dead-letter stream cannot
+        #: take them: NOTE [ Write failures ] in results.py), retried on their own clock so
+        #: that the other answers are not delayed.
+        self._held: list[Answer] = []
+        self._held_retry_at = 0.0
+        self._held_backoff = Backoff()
         self._stop_deadline: float | None = None
         #: Set when the device broke; the worker command then exits non-zero.
         self.device_failed = False
@@ -195,27 +209,39 @@ class Worker:
         self.heartbeat = Heartbeat.for_worker(
             connect(s.redis), self.keys, s.consumer, str(self.runner.device),
             s.batch.max_batch_size, lambda: self.allocator.in_use,
-            self._metrics_server.port if metrics_on else None)
+            self._metrics_server.port if metrics_on else None, health=self.health)
         self.heartbeat.start()
         self._ready.set()
 
     def _wait_for_redis(self) -> None:
-        """Create the consumer groups, waiting out a Redis that is down (no crash loop)."""
+        """Create the consumer groups, waiting out a Redis that is down or refuses them
+        (out of memory, a replica, a key of another type where a stream belongs): no crash
+        loop, and the worker is not ready meanwhile."""
         backoff = Backoff()
         while True:
             try:
                 self.intake.ensure_groups()
+                self.health.accepted("reads")
                 return
-            except REDIS_ERRORS as e:
+            except redis.RedisError as e:
                 wait = backoff.next_wait_s()
-                logger.warning("Redis not reachable (%s); retrying in %.1fs", e, wait)
+                if isinstance(e, REDIS_ERRORS):
+                    logger.warning("Redis not reachable (%s); retrying in %.1fs", e, wait)
+                else:
+                    self.health.refused("reads", f"{error_code(e)}: {e}")
+                    logger.error("cannot create the consumer groups on %s (%s); retrying in "
+                                 "%.1fs", ", ".join(self.keys.streams()), e, wait)
                 if self._stop.wait(wait):
                     raise RedisUnavailable("stopped while waiting for Redis") from e
 
     def _start_pool(self, handler: Handler) -> None:
+        from redbatch.preproc_worker.shm import sweep_orphans
+
         s = self.settings
+        # What dead workers with our prefix left in /dev/shm (NOTE [ Shared-memory lifetime ]).
+        sweep_orphans(s.pool.shm_prefix)
         self.slots = SlotArray.create(s.batch.max_inflight, handler.input_shape,
-                                      handler.input_dtype)
+                                      handler.input_dtype, s.pool.shm_prefix)
         self.allocator = SlotAllocator(s.batch.max_inflight)
         self.pool = PreprocPool(s.model.spec, s.limits, s.pool, self.slots.layout)
         self.pool.start(on_done=self._events.put)
@@ -346,19 +372,23 @@ class Worker:
         self._alone = True  # nothing else in the model with it (see _model_busy)
         try:
             self.intake.reclaimer.charge(job.stream, job.entry_id)
-        except REDIS_ERRORS:
-            pass  # uncounted this once; the lease and the next takeover still bound it
+        except redis.RedisError as e:
+            # Unreachable, refused, or the group gone (Redis restarted empty): it runs
+            # uncounted this once; the lease and the next takeover still bound it.
+            logger.warning("could not count a delivery of taken-over job %s (%s); running "
+                           "it anyway", job.request_id, e)
         return [job]
 
     def _wait_s(self, now: float) -> float:
         if self._suspects and not self._model_busy:
             return 0.0
-        if self._answers:
-            return max(0.0, min(self._retry_at - now, MAX_IDLE_WAIT_S))
+        wakes = [self._retry_at] if self._answers else []
+        if self._held:
+            wakes.append(self._held_retry_at)
         wake = self.batcher.next_wakeup(now)
-        if wake is None or self._model_busy:
-            return MAX_IDLE_WAIT_S
-        return max(0.0, min(wake - now, MAX_IDLE_WAIT_S))
+        if wake is not None and not self._model_busy:
+            wakes.append(wake)
+        return max(0.0, min([w - now for w in wakes] + [MAX_IDLE_WAIT_S]))
 
     def _handle_events(self, timeout_s: float) -> None:
         try:
@@ -456,26 +486,48 @@ class Worker:
                                                     wait_ms))
 
     def _flush(self) -> None:
-        if not self._answers or time.monotonic() < self._retry_at:
+        """Write the answers and acknowledge their entries (NOTE [ Write failures ] in
+        results.py); a refused or failed write is retried with back-off."""
+        now = time.monotonic()
+        if self._held and now >= self._held_retry_at:
+            self._answers += self._held
+            self._held = []
+        if not self._answers or now < self._retry_at:
             return
         try:
-            self.writer.write_and_ack(self._answers)
-        except RedisUnavailable as e:
+            flushed = self.writer.write_and_ack(self._answers)
+        except (RedisUnavailable, RedisRefused) as e:
             wait = self._write_backoff.next_wait_s()
+            if isinstance(e, RedisRefused):
+                self.health.refused("writes", str(e))
             logger.warning("%s; retrying in %.1fs", e, wait)
-            self._retry_at = time.monotonic() + wait
+            self._retry_at = now + wait
             return
         self._write_backoff.reset()
-        for answer in self._answers:
+        self.health.accepted("writes")
+        self._hold(flushed.held, now)
+        held = {id(a) for a in flushed.held}
+        self._answered([a for a in self._answers if id(a) not in held], flushed.undeliverable)
+        self._answers = []
+
+    def _hold(self, held: list[Answer], now: float) -> None:
+        if held:
+            self._held = held
+            self._held_retry_at = now + self._held_backoff.next_wait_s()
+        else:
+            self._held_backoff.reset()
+
+    def _answered(self, answers: list[Answer], undeliverable: int) -> None:
+        """Release what the written answers held, and count them."""
+        for answer in answers:
             if answer.slot >= 0:
                 self.allocator.release(answer.slot)
             self.intake.reclaimer.leases.release(answer.stream, answer.entry_id)
             # Counted once written: a result that failed to write is retried, not lost.
             self.metrics.answered(self._lane_of[answer.stream], answer.outcome, answer.timings,
                                   dead_lettered=answer.dead_letter is not None)
-        self.capacity.give_back(len(self._answers),
-                                bulk=sum(a.lane is Lane.BULK for a in self._answers))
-        self._answers = []
+        self.metrics.dead_lettered.inc(undeliverable)
+        self.capacity.give_back(len(answers), bulk=sum(a.lane is Lane.BULK for a in answers))
 
     # ------------------------------------------------------------------ helper threads
 
@@ -494,12 +546,20 @@ class Worker:
                 logger.warning("reading jobs failed: %s; retrying in %.1fs", e, wait)
                 self._stop.wait(wait)
                 continue
+            except redis.ResponseError as e:  # a replica, a stream replaced by another type
+                self.capacity.give_back(n)
+                wait = backoff.next_wait_s()
+                self.health.refused("reads", f"{error_code(e)}: {e}")
+                logger.warning("Redis refused reading jobs (%s); retrying in %.1fs", e, wait)
+                self._stop.wait(wait)
+                continue
             except Exception:  # a bug here must not silently stop the worker from reading
                 self.capacity.give_back(n)
                 logger.exception("reading jobs failed; retrying")
                 self._stop.wait(backoff.next_wait_s())
                 continue
             backoff.reset()
+            self.health.accepted("reads")
             self.metrics.reclaimed(sum(job.taken_over for job in jobs))
             self.capacity.took_bulk(sum(job.bulk for job in jobs))
             self.capacity.give_back(n - len(jobs) - len(bad))

@@ -4,16 +4,37 @@ For each answered entry one MULTI/EXEC sets the result key (with its TTL),
 pushes the wake-up token for waiting clients, and only then acknowledges and
 deletes the stream entry. If the transaction fails nothing is acknowledged,
 so a job never leaves its stream without its result written.
+
+NOTE [ Write failures ]
+  A MULTI is applied whole or not at all when Redis refuses it: out of memory
+  under ``noeviction`` (OOM), a replica (READONLY), an ACL (NOPERM), a dropped
+  connection. Then nothing was written or acknowledged, and the caller retries
+  the same answers with back-off (``RedisUnavailable`` / ``RedisRefused``).
+  Redis runs every other command of an EXEC even when one fails on its key
+  (WRONGTYPE: someone planted a key of another type where an answer writes), so
+  such a failure never fails the batch: the other answers are written, and the
+  answer whose own key failed is *undeliverable*: its entry is acknowledged with
+  the rest, what could be written stays (the result, when only its wake-up
+  token failed), and the job goes to the dead-letter stream with the reason.
+  Dead letters are never acknowledged unless their record can be written: when
+  the dead-letter stream key holds another type, the dead-letter answers are
+  held (returned to the caller, retried later) and their entries stay pending.
+  WATCH makes that check and the EXEC one unit. A record that still fails (the
+  key replaced in between, or an undeliverable answer's own record) is kept in
+  memory and written on a later flush.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis
+from redbatch.common.logs import Throttle
 from redbatch.common.protocol import (
     DLQ_AT_MS,
     DLQ_DELIVERIES,
@@ -28,14 +49,23 @@ from redbatch.common.protocol import (
     RECENT_MAX,
     RECENT_TTL_MS,
     ErrorCode,
+    JobEnvelope,
     Keys,
     Lane,
     RecentResult,
     ResultEnvelope,
     Status,
 )
-from redbatch.common.redis_io import REDIS_ERRORS, RedisUnavailable
+from redbatch.common.redis_io import REDIS_ERRORS, RedisRefused, RedisUnavailable, error_code
 from redbatch.gpu_worker.intake import BadEntry, Job
+
+logger = logging.getLogger(__name__)
+
+#: Dead-letter records kept in memory while the dead-letter stream cannot take them; past
+#: this the oldest are dropped (and logged): memory stays bounded whatever Redis holds.
+RECORDS_KEPT = 10_000
+DeadLetter = dict[str, bytes | str]
+"""The fields of one dead-letter entry (see PROTOCOL.md, "Dead letters")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +79,7 @@ class Answer:
     slot: int = -1
     reply_to: str | None = None
     lane: Lane = Lane.INTERACTIVE
-    dead_letter: dict[str, bytes | str] | None = None
+    dead_letter: DeadLetter | None = None
     """Fields of a dead-letter entry to add to the DLQ in the same transaction."""
     outcome: str = ""
     """``ok`` or the error code, for the fleet's recent-results list (Keys.recent) and the
@@ -58,14 +88,42 @@ class Answer:
     """The result's end-to-end time, ms; None when the entry was rejected unread."""
     timings: Mapping[str, float] | None = None
     """The result's stage timings, ms, for the worker's latency metrics."""
+    envelope: JobEnvelope | None = None
+    """The job, for its dead letter should the answer prove undeliverable."""
+    deliveries: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Flushed:
+    """What a write left undone."""
+
+    held: list[Answer] = field(default_factory=list)
+    """Answers not written and not acknowledged (dead letters while the dead-letter stream
+    cannot take them); retry them later."""
+    undeliverable: int = 0
+    """Answers acknowledged whose own keys failed; each went to the dead-letter stream."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Op:
+    """One queued command of the transaction: whose it is, for reading its reply."""
+
+    answer: int
+    """Index of the answer it belongs to, or -1 for the flush's shared commands."""
+    what: str
+    """Command and key, for messages."""
+    record: bool = False
+    """The dead-letter XADD of its answer."""
 
 
 def _answer(entry: Job | BadEntry, result: ResultEnvelope, slot: int = -1) -> Answer:
-    reply_to = entry.envelope.reply_to if isinstance(entry, Job) else None
-    lane = entry.envelope.lane if isinstance(entry, Job) else Lane.INTERACTIVE
+    job = entry if isinstance(entry, Job) else None
     return Answer(entry.stream, entry.entry_id, result.request_id, result.encode(), slot,
-                  reply_to, lane, outcome=_outcome(result),
-                  total_ms=result.timings.get("total_ms"), timings=result.timings)
+                  job.envelope.reply_to if job else None,
+                  job.envelope.lane if job else Lane.INTERACTIVE, outcome=_outcome(result),
+                  total_ms=result.timings.get("total_ms"), timings=result.timings,
+                  envelope=job.envelope if job else None,
+                  deliveries=job.deliveries if job else entry.deliveries)
 
 
 def _outcome(result: ResultEnvelope) -> str:
@@ -80,6 +138,9 @@ class ResultWriter:
         self.keys = keys
         self.worker = worker
         self._ttl_ms = ttl_s * 1000
+        #: Dead-letter records of acknowledged entries, not yet in the dead-letter stream.
+        self._records: deque[DeadLetter] = deque()
+        self._warn = Throttle(logger, 60.0)
 
     # ------------------------------------------------------------------ envelopes
 
@@ -115,7 +176,7 @@ class ResultWriter:
         dead = _dead_letter_fields(entry) if entry.dead_letter else None
         if entry.request_id is None:
             return Answer(entry.stream, entry.entry_id, None, dead_letter=dead,
-                          outcome=entry.code.value)
+                          outcome=entry.code.value, deliveries=entry.deliveries)
         result = ResultEnvelope.error(entry.request_id, entry.code, entry.message,
                                       worker=self.worker, model=self.keys.model,
                                       finished_ms=int(time.time() * 1000))
@@ -124,41 +185,86 @@ class ResultWriter:
 
     # ------------------------------------------------------------------ writing
 
-    def write_and_ack(self, answers: Sequence[Answer]) -> None:
-        """Write every result, then XACK and XDEL every entry, in one transaction.
+    def write_and_ack(self, answers: Sequence[Answer]) -> Flushed:
+        """Write every result, then XACK and XDEL every entry, in one transaction (see
+        NOTE [ Write failures ]).
 
-        Raises RedisUnavailable; then nothing was acknowledged and the caller
-        may retry the same answers.
+        Raises RedisUnavailable or RedisRefused; then nothing was written or acknowledged
+        and the caller may retry the same answers. Returns the answers it held back.
         """
-        if not answers:
-            return
         pipe = self._redis.pipeline(transaction=True)
-        for answer in answers:
+        try:
+            answers, held = self._guard_dead_letters(pipe, answers)
+            ops = self._queue(pipe, answers)
+            replies = pipe.execute(raise_on_error=False) if ops else []
+        except redis.WatchError as e:
+            raise RedisRefused("the dead-letter stream changed during the write") from e
+        except REDIS_ERRORS as e:
+            raise RedisUnavailable(f"writing {len(answers)} results failed: {e}") from e
+        except redis.ResponseError as e:  # refused whole at queue time: nothing applied
+            raise RedisRefused(f"Redis refused {len(answers)} results "
+                               f"({error_code(e)}): {e}") from e
+        finally:
+            pipe.reset()
+        undeliverable = self._read_replies(answers, ops, replies)
+        self._write_records()
+        return Flushed(held, undeliverable)
+
+    def _guard_dead_letters(self, pipe: Any,
+                            answers: Sequence[Answer]) -> tuple[list[Answer], list[Answer]]:
+        """Start the transaction; dead-letter answers are held back (not acknowledged) while
+        the dead-letter stream key holds another type. WATCH ties the check to the EXEC."""
+        dead = [a for a in answers if a.dead_letter is not None]
+        if dead:
+            pipe.watch(self.keys.dlq())
+            kind = pipe.type(self.keys.dlq())
+            if kind not in (b"none", b"stream", "none", "stream"):
+                self._warn.error("dlq-type", "the dead-letter stream %s holds a %s, not a "
+                                 "stream: %d dead letters stay pending until it is deleted",
+                                 self.keys.dlq(), kind, len(dead))
+                pipe.multi()
+                return [a for a in answers if a.dead_letter is None], dead
+        pipe.multi()
+        return list(answers), []
+
+    def _queue(self, pipe: Any, answers: Sequence[Answer]) -> list[_Op]:
+        """Queue the transaction's commands; one _Op per command, in order."""
+        ops: list[_Op] = []
+        for i, answer in enumerate(answers):
             if answer.dead_letter is not None:
-                pipe.xadd(self.keys.dlq(), answer.dead_letter,  # type: ignore[arg-type]
-                          maxlen=DLQ_MAX_LEN, approximate=True)
+                pipe.xadd(self.keys.dlq(), answer.dead_letter, maxlen=DLQ_MAX_LEN,
+                          approximate=True)
+                ops.append(_Op(i, f"XADD {self.keys.dlq()}", record=True))
             if answer.request_id is not None:
-                rid = answer.request_id
-                # NX: a job run twice (taken over from a stuck worker) keeps its first result,
-                # so a late write can never change what a client already read.
-                pipe.set(self.keys.result(rid), answer.encoded, px=self._ttl_ms, nx=True)
-                pipe.rpush(self.keys.done(rid), DONE_TOKEN)
-                pipe.pexpire(self.keys.done(rid), self._ttl_ms)
-                # The id stays taken while its result can be read (NOTE [ Request id owners ]).
-                pipe.pexpire(self.keys.owner(rid), self._ttl_ms)
-                if answer.reply_to is not None:
-                    pipe.rpush(answer.reply_to, rid)
-                    pipe.pexpire(answer.reply_to, self._ttl_ms)
-        self._push_recent(pipe, answers)
+                ops += self._queue_result(pipe, i, answer)
+        ops += self._push_recent(pipe, answers)
         for stream, ids in _by_stream(answers).items():
             pipe.xack(stream, GROUP, *ids)
             pipe.xdel(stream, *ids)
-        try:
-            pipe.execute()
-        except REDIS_ERRORS as e:
-            raise RedisUnavailable(f"writing {len(answers)} results failed: {e}") from e
+            ops += [_Op(-1, f"XACK {stream}"), _Op(-1, f"XDEL {stream}")]
+        return ops
 
-    def _push_recent(self, pipe: Any, answers: Sequence[Answer]) -> None:
+    def _queue_result(self, pipe: Any, i: int, answer: Answer) -> list[_Op]:
+        rid = answer.request_id
+        assert rid is not None
+        result, done, owner = self.keys.result(rid), self.keys.done(rid), self.keys.owner(rid)
+        # NX: a job run twice (taken over from a stuck worker) keeps its first result, so a
+        # late write can never change what a client already read. GET makes a key of
+        # another type planted there fail (WRONGTYPE) instead of passing for a first result.
+        pipe.set(result, answer.encoded, px=self._ttl_ms, nx=True, get=True)
+        pipe.rpush(done, DONE_TOKEN)
+        pipe.pexpire(done, self._ttl_ms)
+        # The id stays taken while its result can be read (NOTE [ Request id owners ]).
+        pipe.pexpire(owner, self._ttl_ms)
+        ops = [_Op(i, f"SET {result}"), _Op(i, f"RPUSH {done}"), _Op(i, f"PEXPIRE {done}"),
+               _Op(i, f"PEXPIRE {owner}")]
+        if answer.reply_to is not None:
+            pipe.rpush(answer.reply_to, rid)
+            pipe.pexpire(answer.reply_to, self._ttl_ms)
+            ops += [_Op(i, f"RPUSH {answer.reply_to}"), _Op(i, f"PEXPIRE {answer.reply_to}")]
+        return ops
+
+    def _push_recent(self, pipe: Any, answers: Sequence[Answer]) -> list[_Op]:
         """Queue the answered results onto the capped recent list `redbatch status` reads."""
         now = int(time.time() * 1000)
         bulk = self.keys.stream(Lane.BULK)
@@ -166,23 +272,92 @@ class ResultWriter:
         records = [RecentResult(now, Lane.BULK if a.stream == bulk else Lane.INTERACTIVE,
                                 a.outcome, a.total_ms).encode()
                    for a in answers if a.request_id is not None]
-        if records:
-            pipe.lpush(self.keys.recent(), *records)
-            pipe.ltrim(self.keys.recent(), 0, RECENT_MAX - 1)
-            pipe.pexpire(self.keys.recent(), RECENT_TTL_MS)
+        if not records:
+            return []
+        recent = self.keys.recent()
+        pipe.lpush(recent, *records)
+        pipe.ltrim(recent, 0, RECENT_MAX - 1)
+        pipe.pexpire(recent, RECENT_TTL_MS)
+        return [_Op(-1, f"{verb} {recent}") for verb in ("LPUSH", "LTRIM", "PEXPIRE")]
+
+    # ------------------------------------------------------------------ failures
+
+    def _read_replies(self, answers: Sequence[Answer], ops: list[_Op],
+                      replies: list[Any]) -> int:
+        """Sort out the commands that failed on their own key; returns how many answers
+        proved undeliverable (each now has a dead-letter record on its way)."""
+        failed: dict[int, str] = {}
+        for op, reply in zip(ops, replies, strict=True):
+            if not isinstance(reply, Exception):
+                continue
+            if op.record:
+                self._keep_record(answers[op.answer].dead_letter)
+                self._warn.warning("record", "%s failed (%s); the dead letter is kept and "
+                                   "written later", op.what, reply)
+            elif op.answer >= 0:
+                failed.setdefault(op.answer, f"{op.what}: {reply}")
+            else:  # the recent list, or the stream's acks (stream or group gone)
+                key = op.what.split(" ", 1)[1]  # one line per key, not per command
+                self._warn.warning(key, "%s failed: %s", op.what, reply)
+        for i, reason in failed.items():
+            self._keep_record(_undeliverable(answers[i], reason))
+            self._warn.warning("undeliverable", "request %s is undeliverable (%s); it goes "
+                               "to the dead-letter stream", answers[i].request_id, reason)
+        return len(failed)
+
+    def _keep_record(self, record: DeadLetter | None) -> None:
+        if record is None:
+            return
+        if len(self._records) >= RECORDS_KEPT:
+            dropped = self._records.popleft()
+            logger.error("dropped the dead-letter record of entry %s: %d records wait for "
+                         "the dead-letter stream already", dropped.get(DLQ_ENTRY), RECORDS_KEPT)
+        self._records.append(record)
+
+    def _write_records(self) -> None:
+        """Add the kept dead-letter records to the stream; those that fail stay kept."""
+        if not self._records:
+            return
+        records = list(self._records)
+        pipe = self._redis.pipeline(transaction=False)
+        for record in records:
+            pipe.xadd(self.keys.dlq(), record,  # type: ignore[arg-type]
+                      maxlen=DLQ_MAX_LEN, approximate=True)
+        try:
+            replies = pipe.execute(raise_on_error=False)
+        except redis.RedisError as e:
+            self._warn.warning("records", "writing %d dead letters failed (%s); retrying "
+                               "later", len(records), e)
+            return
+        self._records = deque(rec for rec, reply in zip(records, replies, strict=True)
+                              if isinstance(reply, Exception))
 
 
-def _dead_letter_fields(entry: BadEntry) -> dict[str, bytes | str]:
-    fields = dict(entry.fields or {})
-    return {
-        FIELD_REQUEST_ID: fields.get(FIELD_REQUEST_ID.encode(), b""),
-        FIELD_JOB: fields.get(FIELD_JOB.encode(), b""),
-        DLQ_SOURCE: entry.stream,
-        DLQ_ENTRY: entry.entry_id,
-        DLQ_REASON: f"{entry.code.value}: {entry.message}",
-        DLQ_DELIVERIES: str(entry.deliveries),
-        DLQ_AT_MS: str(int(time.time() * 1000)),
-    }
+def _undeliverable(answer: Answer, reason: str) -> DeadLetter:
+    """The dead letter of an acknowledged answer whose own keys failed."""
+    record: DeadLetter = {}
+    if answer.envelope is not None:
+        record = {name: value for name, value in answer.envelope.encode().items()}
+    elif answer.request_id is not None:
+        record[FIELD_REQUEST_ID] = answer.request_id
+    return {**record, **_provenance(answer.stream, answer.entry_id, ErrorCode.UNDELIVERABLE,
+                                    reason, answer.deliveries)}
+
+
+def _dead_letter_fields(entry: BadEntry) -> DeadLetter:
+    """The entry's own ``rid`` and ``job`` fields, byte for byte and only those it had,
+    with where it came from and why."""
+    fields = entry.fields or {}
+    own: DeadLetter = {name: fields[name.encode()] for name in (FIELD_REQUEST_ID, FIELD_JOB)
+                       if name.encode() in fields}
+    return {**own, **_provenance(entry.stream, entry.entry_id, entry.code, entry.message,
+                                 entry.deliveries)}
+
+
+def _provenance(stream: str, entry_id: bytes, code: ErrorCode, message: str,
+                deliveries: int) -> DeadLetter:
+    return {DLQ_SOURCE: stream, DLQ_ENTRY: entry_id, DLQ_REASON: f"{code.value}: {message}",
+            DLQ_DELIVERIES: str(deliveries), DLQ_AT_MS: str(int(time.time() * 1000))}
 
 
 def _by_stream(answers: Sequence[Answer]) -> dict[str, list[bytes]]:

@@ -8,26 +8,79 @@ from __future__ import annotations
 
 import io
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageFile, ImageOps, TiffImagePlugin, UnidentifiedImageError
 from redbatch.common.config import LimitSettings
 from redbatch.common.protocol import ErrorCode
 
 #: Formats Pillow may open. Anything else (EPS runs Ghostscript, for one) is refused.
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF")
 
-# Recognised but refused, so the client hears "unsupported" rather than "not an image".
-_OTHER_FORMAT_MAGIC = {
-    b"%!PS": "PostScript/EPS",
-    b"%PDF": "PDF",
-    b"8BPS": "PSD",
-    b"\x00\x00\x01\x00": "ICO",
-    b"\x00\x00\x00\x0cjP": "JPEG 2000",
-    b"\xff\x4f\xff\x51": "JPEG 2000",
-    b"qoif": "QOI",
-}
-_FTYP_BRANDS = {b"heic": "HEIC", b"heix": "HEIC", b"mif1": "HEIF", b"avif": "AVIF"}
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """Bytes at a fixed offset that identify a format we recognise but do not accept."""
+
+    name: str
+    offset: int
+    magic: bytes
+
+
+#: The recognised formats besides ALLOWED_FORMATS: a payload that no accepted reader can
+#: open and that carries one of these is ``unsupported_format``, anything else
+#: ``bad_image``. Checked in this order (specific ISO brands before any ``ftyp``).
+#: PROTOCOL.md lists the same rows; a test compares them.
+REFUSED_SIGNATURES: tuple[Signature, ...] = (
+    Signature("PDF", 0, b"%PDF"),
+    Signature("PostScript/EPS", 0, b"%!PS"),
+    Signature("EPS", 0, b"\xc5\xd0\xd3\xc6"),
+    Signature("PSD", 0, b"8BPS"),
+    Signature("ICO", 0, b"\x00\x00\x01\x00"),
+    Signature("CUR/TGA", 0, b"\x00\x00\x02\x00"),  # an uncompressed true-colour TGA too
+    Signature("ICNS", 0, b"icns"),
+    Signature("JPEG 2000", 0, b"\x00\x00\x00\x0cjP  \r\n\x87\n"),
+    Signature("JPEG 2000", 0, b"\xff\x4f\xff\x51"),
+    Signature("JPEG XL", 0, b"\xff\x0a"),
+    Signature("JPEG XL", 0, b"\x00\x00\x00\x0cJXL \r\n\x87\n"),
+    Signature("QOI", 0, b"qoif"),
+    Signature("DDS", 0, b"DDS "),
+    Signature("PBM", 0, b"P1"),
+    Signature("PGM", 0, b"P2"),
+    Signature("PPM", 0, b"P3"),
+    Signature("PBM", 0, b"P4"),
+    Signature("PGM", 0, b"P5"),
+    Signature("PPM", 0, b"P6"),
+    Signature("PAM", 0, b"P7"),
+    Signature("PFM", 0, b"PF\n"),
+    Signature("PFM", 0, b"Pf\n"),
+    Signature("SVG", 0, b"<svg"),
+    Signature("XML (SVG)", 0, b"<?xml"),
+    Signature("PCX", 0, b"\x0a\x05\x01"),
+    Signature("SGI", 0, b"\x01\xda"),
+    Signature("Sun raster", 0, b"\x59\xa6\x6a\x95"),
+    Signature("OpenEXR", 0, b"v/1\x01"),
+    Signature("Radiance HDR", 0, b"#?RADIANCE"),
+    Signature("Radiance HDR", 0, b"#?RGBE"),
+    Signature("FITS", 0, b"SIMPLE  ="),
+    Signature("GIMP XCF", 0, b"gimp xcf"),
+    Signature("XPM", 0, b"/* XPM */"),
+    Signature("WMF", 0, b"\xd7\xcd\xc6\x9a"),
+    Signature("EMF", 40, b" EMF"),
+    Signature("BLP", 0, b"BLP1"),
+    Signature("BLP", 0, b"BLP2"),
+    Signature("DCX", 0, b"\xb1\x68\xde\x3a"),
+    Signature("HEIC", 4, b"ftypheic"),
+    Signature("HEIC", 4, b"ftypheix"),
+    Signature("HEIF", 4, b"ftypmif1"),
+    Signature("HEIF", 4, b"ftypmsf1"),
+    Signature("AVIF", 4, b"ftypavif"),
+    Signature("AVIF", 4, b"ftypavis"),
+    Signature("ISO media (MP4, MOV, ...)", 4, b"ftyp"),
+)
+_TIFF_MAGIC = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")
+_TIFF_COMPRESSION_TAG = 259
 
 # Truncated files must fail, not decode half an image silently.
 ImageFile.LOAD_TRUNCATED_IMAGES = False
@@ -42,13 +95,46 @@ class InputError(Exception):
         self.message = message
 
 
-def _sniff_other_format(data: bytes) -> str | None:
-    for magic, name in _OTHER_FORMAT_MAGIC.items():
-        if data.startswith(magic):
-            return name
-    if data[4:8] == b"ftyp":
-        return _FTYP_BRANDS.get(data[8:12], "ISO media")
+def refused_format(data: bytes) -> str | None:
+    """The name of the first REFUSED_SIGNATURES row ``data`` carries, else None."""
+    for sig in REFUSED_SIGNATURES:
+        if data.startswith(sig.magic, sig.offset):
+            return sig.name
     return None
+
+
+def _tiff_compression(data: bytes) -> int | None:
+    """The compression a TIFF declares in its first directory, when Pillow has no decoder
+    for it (why Pillow could not open it); None otherwise or when unreadable."""
+    if not data.startswith(_TIFF_MAGIC):
+        return None
+    big = data[:4] in _TIFF_MAGIC[2:]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Pillow warns about each corrupt entry
+            ifd = TiffImagePlugin.ImageFileDirectory_v2(data[:16] if big else data[:8])
+            fp = io.BytesIO(data)
+            fp.seek(ifd.next)
+            ifd.load(fp)
+            compression = int(ifd.get(_TIFF_COMPRESSION_TAG, 1))
+    except Exception:  # a corrupt directory can raise nearly anything: then it is bad_image
+        return None
+    return None if compression in TiffImagePlugin.COMPRESSION_INFO else compression
+
+
+def _unidentified(data: bytes) -> InputError:
+    """What to answer for bytes no accepted reader could open."""
+    accepted = ", ".join(ALLOWED_FORMATS)
+    name = refused_format(data)
+    if name is not None:
+        return InputError(ErrorCode.UNSUPPORTED_FORMAT,
+                          f"{name} is not accepted; send one of {accepted}")
+    compression = _tiff_compression(data)
+    if compression is not None:
+        return InputError(ErrorCode.UNSUPPORTED_FORMAT,
+                          f"TIFF compression {compression} cannot be decoded; send a TIFF "
+                          f"compressed otherwise, or one of {accepted}")
+    return InputError(ErrorCode.BAD_IMAGE, "not a recognised image")
 
 
 def _open(data: bytes, limits: LimitSettings) -> Image.Image:
@@ -63,11 +149,7 @@ def _open(data: bytes, limits: LimitSettings) -> Image.Image:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise InputError(ErrorCode.IMAGE_TOO_LARGE, str(e)) from e
     except UnidentifiedImageError as e:
-        other = _sniff_other_format(data)
-        if other:
-            raise InputError(ErrorCode.UNSUPPORTED_FORMAT, f"{other} is not accepted; "
-                             f"send one of {', '.join(ALLOWED_FORMATS)}") from e
-        raise InputError(ErrorCode.BAD_IMAGE, "not a recognised image") from e
+        raise _unidentified(data) from e
     except Exception as e:  # a corrupt header can raise nearly anything inside Pillow
         raise InputError(ErrorCode.BAD_IMAGE, f"unreadable image header: {e}") from e
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from redbatch.common.config import LimitSettings, PoolSettings
 from redbatch.common.protocol import ErrorCode
-from redbatch.preproc_worker.shm import SlotLayout
+from redbatch.preproc_worker.shm import SlotLayout, name_semaphores_after
 from redbatch.preproc_worker.worker import IDLE, ChildConfig, PreprocDone, PreprocTask, run_child
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class PreprocPool:
         self._settings = settings
         self._layout = layout
         self._ctx: Any = mp.get_context(settings.start_method)
+        name_semaphores_after(layout.name)  # before the queues make theirs
         self._results: Any = self._ctx.Queue()
         self._children: list[_Child] = []
         self._keys = count()

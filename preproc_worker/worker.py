@@ -18,6 +18,7 @@ from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
 from redbatch.common.config import LimitSettings
+from redbatch.common.malloc_tuning import HeapTrim
 from redbatch.common.protocol import ErrorCode
 from redbatch.preproc_worker.decode import InputError
 from redbatch.preproc_worker.shm import SlotArray, SlotLayout
@@ -106,6 +107,7 @@ def run_child(cfg: ChildConfig, tasks: Queue[PreprocTask | None], results: Queue
     from redbatch.gpu_worker.handlers import load_handler
 
     handler = load_handler(cfg.handler_spec, cfg.limits)
+    heap = HeapTrim()  # its size now, with the handler loaded, is the one to come back to
     slots = SlotArray.attach(cfg.layout)
     try:
         while os.getppid() == cfg.parent_pid:
@@ -118,5 +120,6 @@ def run_child(cfg: ChildConfig, tasks: Queue[PreprocTask | None], results: Queue
             current.value = task.key
             results.put(preprocess_one(handler, slots, task))
             current.value = IDLE
+            heap.after_task()  # after the record is queued, so a trim never delays a reply
     finally:
         slots.close()

@@ -12,11 +12,18 @@ once its stream holds that many; the caller gets :class:`QueueFull` at once and
 nothing is queued for the refused jobs. The same script refuses a request id that
 another job still owns (:class:`DuplicateRequestId`), so submitting the same envelope
 again after a lost reply is safe: the job is queued at most once.
+
+Waiting honours its timeout whatever Redis does: every call of a wait has a due time
+(see ``_Wait``), so a Redis that is gone, restarting or hung ends it with ResultTimeout.
+
+The module holds the blocking client and its asyncio twin side by side (about 550 lines)
+so that the two stay alike method for method; what they share lives in ``_Base``/``_Wait``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,12 +36,15 @@ from redbatch.common.protocol import (
     ADMIT_SCRIPT,
     DEFAULT_PREFIX,
     DUPLICATE_REPLY,
+    MAX_CONTENT_TYPE_BYTES,
     QUEUE_FULL_REPLY,
     ErrorCode,
     JobEnvelope,
     Keys,
     Lane,
+    ProtocolError,
     ResultEnvelope,
+    error_reply_code,
     new_request_id,
     owner_ttl_ms,
     parse_queue_bound,
@@ -42,10 +52,17 @@ from redbatch.common.protocol import (
 )
 
 Result = ResultEnvelope
+logger = logging.getLogger(__name__)
 
 #: Longest single BLPOP; short enough that a dead connection is noticed and retried.
 _WAIT_SLICE_S = 5.0
 _RECONNECT_PAUSE_S = 0.2
+#: GET interval while the done key cannot be BLPOPped (it holds another type).
+_POLL_S = 0.25
+#: Shortest BLPOP sent: Redis reads a timeout under 1 ms as 0, which blocks forever.
+_MIN_BLPOP_S = 0.01
+#: A reply is always allowed this long, even at the deadline (one GET at timeout_s=0).
+_MIN_REPLY_S = 0.2
 
 
 class ResultTimeout(TimeoutError):
@@ -54,6 +71,17 @@ class ResultTimeout(TimeoutError):
     def __init__(self, request_id: str, timeout_s: float) -> None:
         super().__init__(f"no result for {request_id} within {timeout_s:g}s")
         self.request_id = request_id
+
+
+class ResultUnreadable(ProtocolError):
+    """The result key of ``request_id`` holds something that is not a result envelope:
+    a key of another type (WRONGTYPE), or bytes that do not decode. Someone wrote it by
+    hand; the job's own answer cannot be read there. ``key`` names it."""
+
+    def __init__(self, request_id: str, key: str, why: str) -> None:
+        super().__init__(ErrorCode.BAD_ENVELOPE, f"{key} holds no result envelope: {why}",
+                         request_id)
+        self.key = key
 
 
 class QueueFull(Exception):
@@ -116,14 +144,76 @@ class QueueState:
         return None if self.bound is None else max(0, self.bound - self.queued)
 
 
+def _reply_code(reply: object) -> str | None:
+    """The code (first word) of an admission error reply, None for any other reply."""
+    return error_reply_code(str(reply)) if isinstance(reply, redis.ResponseError) else None
+
+
 def _refused_bound(reply: object) -> int | None:
-    """The bound named by the admission script's QUEUE_FULL error reply, else None."""
-    if not isinstance(reply, redis.ResponseError):
+    """The bound named by the admission script's ``QUEUE_FULL <bound>`` reply, else None."""
+    if _reply_code(reply) != QUEUE_FULL_REPLY:
         return None
     words = str(reply).split()
-    if len(words) < 2 or words[0] != QUEUE_FULL_REPLY:
+    return (parse_queue_bound(words[1]) if len(words) > 1 else None) or 0
+
+
+@dataclass(slots=True)
+class _Wait:
+    """The clock and keys of one result wait, shared by both clients' ``result``."""
+
+    request_id: str
+    keys: Keys
+    timeout_s: float
+    deadline: float = 0.0
+    """Monotonic time the wait ends."""
+    blpop: bool = True
+    """False once BLPOP on the done key failed (it holds another type): poll GET instead."""
+
+    def __post_init__(self) -> None:
+        self.deadline = time.monotonic() + self.timeout_s
+
+    @property
+    def result_key(self) -> str:
+        return self.keys.result(self.request_id)
+
+    @property
+    def done_key(self) -> str:
+        return self.keys.done(self.request_id)
+
+    def reply_by(self, blocking_s: float = 0.0) -> float:
+        """Monotonic time by which a call that blocks ``blocking_s`` must be answered: the
+        deadline, or _MIN_REPLY_S after the call would return if that is later."""
+        return max(self.deadline, time.monotonic() + blocking_s + _MIN_REPLY_S)
+
+    def pause_s(self, longest: float) -> float:
+        """Seconds to block or sleep before the next GET, ``longest`` at most; raises
+        ResultTimeout once the deadline has passed."""
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise ResultTimeout(self.request_id, self.timeout_s)
+        return max(_MIN_BLPOP_S, min(remaining, longest))
+
+    def decode(self, data: object) -> ResultEnvelope:
+        """The result envelope a GET returned; raises ResultUnreadable."""
+        if not isinstance(data, bytes):
+            raise ResultUnreadable(self.request_id, self.result_key, repr(data)[:80])
+        try:
+            return ResultEnvelope.decode(data)
+        except ProtocolError as e:
+            raise ResultUnreadable(self.request_id, self.result_key, e.message) from e
+
+    def unreadable(self, e: redis.ResponseError) -> ResultUnreadable | None:
+        """ResultUnreadable when a GET's error reply says the result key holds another
+        type; None for other errors (NOPERM, ...), which the caller raises as they are."""
+        if str(e).startswith("WRONGTYPE"):
+            return ResultUnreadable(self.request_id, self.result_key, str(e))
         return None
-    return parse_queue_bound(words[1]) or 0
+
+    def no_blpop(self, e: redis.ResponseError) -> None:
+        """BLPOP on the done key failed with ``e``: poll the result key from now on."""
+        logger.warning("cannot BLPOP %s (%s); polling %s every %g s instead", self.done_key,
+                       str(e)[:100], self.result_key, _POLL_S)
+        self.blpop = False
 
 
 class _Base:
@@ -142,11 +232,16 @@ class _Base:
             lane: Lane | str = Lane.INTERACTIVE, params: Mapping[str, Any] | None = None,
             content_type: str = "application/octet-stream", request_id: str | None = None,
             reply_to: str | None = None) -> JobEnvelope:
-        """A validated job envelope (not yet sent); ``submit`` takes the same keywords."""
+        """A validated job envelope (not yet sent); ``submit`` takes the same keywords.
+        Raises TypeError or ValueError for what a worker would refuse unread."""
         if not isinstance(payload, bytes | bytearray | memoryview):
             raise TypeError("payload must be bytes")
         if len(payload) > self.max_payload_bytes:
             raise ValueError(f"payload of {len(payload)} bytes exceeds {self.max_payload_bytes}")
+        if len(content_type.encode()) > MAX_CONTENT_TYPE_BYTES:
+            raise ValueError(f"content_type longer than {MAX_CONTENT_TYPE_BYTES} bytes")
+        if any(not isinstance(key, str) for key in params or {}):
+            raise TypeError("params keys must be str")
         request_id = request_id or new_request_id()
         if not valid_request_id(request_id):
             raise ValueError(f"invalid request id {request_id!r}")
@@ -176,7 +271,7 @@ class _Base:
             if bound is not None:
                 refused.append(job.request_id)
                 first = first or (job, bound)
-            elif isinstance(reply, redis.ResponseError) and str(reply) == DUPLICATE_REPLY:
+            elif _reply_code(reply) == DUPLICATE_REPLY:
                 duplicates.append(job.request_id)
             elif isinstance(reply, BaseException):
                 raise reply
@@ -281,24 +376,62 @@ class Client(_Base):
 
     def result(self, request_id: str, timeout_s: float = 30.0, *,
                model: str | None = None) -> ResultEnvelope:
-        """Wait for the result of ``request_id``; raises ResultTimeout.
+        """Wait for the result of ``request_id``, ``timeout_s`` seconds at most.
 
-        Results are not consumed: reading again returns the same result until
-        it expires.
+        Raises ResultTimeout by then (about 0.2 s later at worst) whatever Redis does:
+        an unreachable, restarting or hung Redis is retried until the deadline. (One
+        exception: opening a new connection to a Redis that accepts it but never answers,
+        a stopped process, takes up to the socket timeout, 10 s: redis-py's handshake
+        knows no deadline. The asyncio client has none.) A done
+        key of another type does not end the wait: the result key is polled instead.
+        Raises ResultUnreadable when the result key holds no result envelope. Results
+        are not consumed: reading again returns the same result until it expires.
         """
-        keys = self.keys(model)
-        deadline = time.monotonic() + timeout_s
+        wait = _Wait(request_id, self.keys(model), timeout_s)
         while True:
             try:
-                data = self.redis.get(keys.result(request_id))
+                data = self._get_result(wait)
                 if data is not None:
-                    return ResultEnvelope.decode(data)  # type: ignore[arg-type]
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise ResultTimeout(request_id, timeout_s)
-                self.redis.blpop([keys.done(request_id)], timeout=min(remaining, _WAIT_SLICE_S))
+                    return wait.decode(data)
+                if wait.blpop:
+                    self._block(wait)
+                else:
+                    time.sleep(wait.pause_s(_POLL_S))
             except (redis.ConnectionError, redis.TimeoutError):
-                time.sleep(_RECONNECT_PAUSE_S)  # redis-py reconnects on the next call
+                # redis-py reconnects on the next call; raises ResultTimeout when due.
+                time.sleep(wait.pause_s(_RECONNECT_PAUSE_S))
+
+    def _get_result(self, wait: _Wait) -> object:
+        try:
+            return self._call_by(wait.reply_by(), "GET", wait.result_key)
+        except redis.ResponseError as e:
+            if (unreadable := wait.unreadable(e)) is None:
+                raise
+            raise unreadable from e
+
+    def _block(self, wait: _Wait) -> None:
+        """BLPOP the done key until the next slice ends; polling from now on if it fails."""
+        seconds = wait.pause_s(_WAIT_SLICE_S)
+        try:
+            self._call_by(wait.reply_by(seconds), "BLPOP", wait.done_key, round(seconds, 3))
+        except redis.ResponseError as e:
+            wait.no_blpop(e)
+
+    def _call_by(self, by: float, *args: Any) -> Any:
+        """Run one command on a pooled connection; its reply is due by ``by`` (monotonic s).
+
+        Raises redis.TimeoutError when it is late, after dropping the connection so that a
+        late reply never meets another command; other Redis errors as they come."""
+        pool = self.redis.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_command(*args)  # type: ignore[no-untyped-call]  # untyped in redis-py
+            if not conn.can_read(timeout=max(0.0, by - time.monotonic())):
+                conn.disconnect()  # type: ignore[no-untyped-call]
+                raise redis.TimeoutError(f"no reply to {args[0]} in time")
+            return conn.read_response()
+        finally:
+            pool.release(conn)
 
     def predict(self, payload: bytes, *, timeout_s: float = 30.0, **kw: Any) -> ResultEnvelope:
         """Submit and wait; the job's deadline is the same ``timeout_s``."""
@@ -371,21 +504,46 @@ class AsyncClient(_Base):
 
     async def result(self, request_id: str, timeout_s: float = 30.0, *,
                      model: str | None = None) -> ResultEnvelope:
-        keys = self.keys(model)
-        deadline = time.monotonic() + timeout_s
+        """As :meth:`Client.result`: the result, ResultTimeout by ``timeout_s`` whatever
+        Redis does, or ResultUnreadable."""
+        wait = _Wait(request_id, self.keys(model), timeout_s)
         while True:
             try:
-                data = await self.redis.get(keys.result(request_id))
+                data = await self._get_result(wait)
                 if data is not None:
-                    assert isinstance(data, bytes), "the client never decodes responses"
-                    return ResultEnvelope.decode(data)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise ResultTimeout(request_id, timeout_s)
-                await self.redis.blpop([keys.done(request_id)],
-                                       timeout=min(remaining, _WAIT_SLICE_S))
+                    return wait.decode(data)
+                if wait.blpop:
+                    await self._block(wait)
+                else:
+                    await asyncio.sleep(wait.pause_s(_POLL_S))
             except (redis.ConnectionError, redis.TimeoutError):
-                await asyncio.sleep(_RECONNECT_PAUSE_S)
+                await asyncio.sleep(wait.pause_s(_RECONNECT_PAUSE_S))
+
+    async def _get_result(self, wait: _Wait) -> object:
+        try:
+            return await self._call_by(wait.reply_by(), "GET", wait.result_key)
+        except redis.ResponseError as e:
+            if (unreadable := wait.unreadable(e)) is None:
+                raise
+            raise unreadable from e
+
+    async def _block(self, wait: _Wait) -> None:
+        seconds = wait.pause_s(_WAIT_SLICE_S)
+        try:
+            await self._call_by(wait.reply_by(seconds), "BLPOP", wait.done_key,
+                                round(seconds, 3))
+        except redis.ResponseError as e:
+            wait.no_blpop(e)
+
+    async def _call_by(self, by: float, *args: Any) -> Any:
+        """One command whose reply is due by ``by`` (monotonic s); raises redis.TimeoutError
+        when it is late (redis-py drops a connection whose command was cancelled)."""
+        try:
+            return await asyncio.wait_for(
+                self.redis.execute_command(*args),  # type: ignore[no-untyped-call]
+                max(0.0, by - time.monotonic()))
+        except TimeoutError as e:
+            raise redis.TimeoutError(f"no reply to {args[0]} in time") from e
 
     async def predict(self, payload: bytes, *, timeout_s: float = 30.0,
                       **kw: Any) -> ResultEnvelope:

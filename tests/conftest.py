@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +16,7 @@ from redbatch.common.config import model_name_from_spec
 from redbatch.common.local_stack import spawn_worker, stop_worker, wait_worker_ready
 from redbatch.common.protocol import Keys
 from redbatch.common.redis_server import RedisServer, RedisServerError, find_redis_server
+from redbatch.producer.client import Client
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 TEST_MODEL = "efficientnet_lite0"
@@ -63,6 +66,13 @@ def keys() -> Keys:
     return Keys(TEST_MODEL)
 
 
+@pytest.fixture
+def client(redis_url: str, r: redis.Redis) -> Iterator[Client]:
+    """A client of the test model on the session's Redis, flushed for this test (``r``)."""
+    with Client(redis_url, model=TEST_MODEL) as c:
+        yield c
+
+
 WorkerFactory = Callable[..., subprocess.Popen[bytes]]
 
 
@@ -101,20 +111,30 @@ def start_worker(redis_url: str, r: redis.Redis,
             print(log.read_text(errors="replace"))
 
 
+#: Start of the /dev/shm names of every worker the tests start (REDBATCH_SHM_PREFIX, which
+#: marked_env keeps): the leak checks count only this run's entries, whatever runs beside it.
+SHM_PREFIX = f"rbt{secrets.token_hex(3)}"
+
+
 def shm_entries() -> set[str]:
-    """Names in /dev/shm created by Python's shared_memory (psm_*) and semaphores (sem.mp-*)."""
-    return {p.name for p in Path("/dev/shm").iterdir()
-            if p.name.startswith(("psm_", "sem.mp-"))}
+    """This run's names in /dev/shm: the segments and semaphores of the workers it starts
+    (SHM_PREFIX, or a prefix a test made from it) and of the pools made in this process
+    (this pid, whatever the prefix)."""
+    own = re.compile(rf"(sem\.)?({SHM_PREFIX}[A-Za-z0-9_]*-[0-9]+|[A-Za-z0-9_]+-{os.getpid()})"
+                     r"-[0-9a-f]{6}(-[A-Za-z0-9_]+)?")
+    return {name for name in os.listdir("/dev/shm") if own.fullmatch(name)}
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_shared_memory_left_behind() -> Iterator[None]:
     """Every worker, pool and stack the tests start must release its /dev/shm entries."""
-    before = shm_entries()
-    yield
     import gc
     import time
 
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("REDBATCH_SHM_PREFIX", SHM_PREFIX)
+        before = shm_entries()
+        yield
     gc.collect()
     deadline = time.monotonic() + 20  # a SIGKILLed worker's tracker needs a moment
     while not shm_entries() <= before and time.monotonic() < deadline:
@@ -124,9 +144,11 @@ def no_shared_memory_left_behind() -> Iterator[None]:
 
 
 def marked_env(mark: str) -> dict[str, str]:
-    """The test's environment without REDBATCH_* settings, plus a mark that every process
-    started from it inherits, so leftovers can be found even among other runs' processes."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    """The test's environment without REDBATCH_* settings (but the run's shm prefix, for
+    the leak check), plus a mark that every process started from it inherits, so
+    leftovers can be found even among other runs' processes."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("REDBATCH_") or k == "REDBATCH_SHM_PREFIX"}
     env["REDBATCH_TEST_MARK"] = mark
     return env
 

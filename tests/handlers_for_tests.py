@@ -47,13 +47,15 @@ def unencodable(limits: LimitSettings) -> Unencodable:
 class WorkerKiller(EfficientNetLite0):
     """Kills the worker process itself (not a pool process) when a batch holds a job with
     the param ``kill_worker``: a poison job, as a model that segfaults on one input would be.
-    With the param ``hang`` the batch never finishes, as on a hung GPU."""
+    With the param ``hang`` the batch never finishes, as on a hung GPU; with ``sleep_s`` it
+    takes that many seconds longer, as a slow batch would."""
 
     def postprocess(self, outputs: Any, params: Any) -> list[Any]:
         if any(p.get("kill_worker") for p in params):
             os._exit(17)
         if any(p.get("hang") for p in params):
             time.sleep(3600)
+        time.sleep(max((float(p.get("sleep_s", 0)) for p in params), default=0.0))
         return super().postprocess(outputs, params)
 
 

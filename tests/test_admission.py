@@ -14,8 +14,8 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,15 +23,17 @@ import redis
 from click.testing import CliRunner
 from conftest import SAMPLES, TEST_MODEL, WorkerFactory
 from PIL import Image
+from redbatch.common import protocol as p
 from redbatch.common.cli import main
-from redbatch.common.protocol import ErrorCode, Keys, Lane
-from redbatch.producer.client import AsyncClient, Client, QueueFull
-
-
-@pytest.fixture
-def client(redis_url: str, r: redis.Redis) -> Iterator[Client]:  # r: flushed per test
-    with Client(redis_url, model=TEST_MODEL) as c:
-        yield c
+from redbatch.common.protocol import (
+    ADMIT_SCRIPT,
+    BAD_CALL_REPLY,
+    DUPLICATE_REPLY,
+    ErrorCode,
+    Keys,
+    Lane,
+)
+from redbatch.producer.client import AsyncClient, Client, DuplicateRequestId, QueueFull
 
 
 def test_submit_past_the_bound_fails_at_once_and_adds_nothing(
@@ -282,3 +284,106 @@ def test_bulk_scorer_without_room_writes_timeouts_and_finishes(
     messages = Counter(rec["error"]["message"].split(":")[0] for rec in records)
     assert messages == {"no result within 1s": 3, "not admitted within 1s": 7}, messages
     assert r.xlen(Keys("null").stream(Lane.BULK)) == 3
+
+
+# ---------------------------------------------------------------------------- the script
+
+
+def _call(r: redis.Redis, keys: list[str], args: list[str | bytes]) -> bytes:
+    return r.eval(ADMIT_SCRIPT, len(keys), *keys, *args)  # type: ignore[no-any-return]
+
+
+def _good(keys: Keys, rid: str = "a1", lane: Lane = Lane.BULK,
+          ttl: str = "60000") -> tuple[list[str], list[str | bytes]]:
+    return ([keys.stream(lane), keys.limits(), keys.owner(rid)],
+            [lane.value, ttl, "rid", rid, "job", b"\x80"])
+
+
+def _bad_calls(keys: Keys) -> dict[str, tuple[list[str], list[str | bytes]]]:
+    k, a = _good(keys)
+    other = Keys("other")
+    return {
+        "negative ttl": (k, [*a[:1], "-5", *a[2:]]),
+        "zero ttl": (k, [*a[:1], "0", *a[2:]]),
+        "fractional ttl": (k, [*a[:1], "1.5", *a[2:]]),
+        "16-digit ttl": (k, [*a[:1], "1" * 16, *a[2:]]),
+        "no ttl": (k, [*a[:1], *a[2:]]),
+        "odd field count": (k, a[:-1]),
+        "extra field": (k, [*a, "x", "y"]),
+        "fields swapped": (k, [*a[:2], "job", b"\x80", "rid", "a1"]),
+        "unknown lane": (k, ["vip", *a[1:]]),
+        "lane of another stream": (k, ["interactive", *a[1:]]),
+        "request id with a newline": ([*k[:2], keys.owner("a1\n")], [*a[:3], "a1\n", *a[4:]]),
+        "owner key of another id": ([*k[:2], keys.owner("a2")], a),
+        "limits of another model": ([k[0], other.limits(), k[2]], a),
+        "owner of another model": ([*k[:2], other.owner("a1")], a),
+        "stream that is no lane stream": (["x:{m}:queue", *k[1:]], a),
+        "two keys": (k[:2], a),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls(Keys(TEST_MODEL))))
+def test_a_bad_call_is_refused_before_anything_is_written(
+        case: str, r: redis.Redis, keys: Keys) -> None:
+    """Every check precedes the first write: an error reply means nothing was added (the
+    revision-1 script queued a job whose owner TTL was <= 0, then failed at its SET)."""
+    call_keys, args = _bad_calls(keys)[case]
+    with pytest.raises(redis.ResponseError) as info:
+        _call(r, call_keys, args)
+    assert str(info.value).startswith(f"{BAD_CALL_REPLY} "), str(info.value)
+    assert r.dbsize() == 0, r.keys()
+    # The same job, called right, is admitted: the refusal took no request id.
+    _call(r, *_good(keys))
+    assert r.xlen(keys.stream(Lane.BULK)) == 1 and 0 < r.pttl(keys.owner("a1")) <= 60000
+
+
+def test_a_deadline_long_past_is_admitted_once(
+        redis_url: str, client: Client, r: redis.Redis, keys: Keys) -> None:
+    rid = client.submit(b"x", timeout_s=-10**6, request_id="late-1")
+    assert r.xlen(keys.stream(Lane.INTERACTIVE)) == 1
+    assert 590_000 < r.pttl(keys.owner(rid)) <= p.OWNER_TTL_PAD_MS
+    with pytest.raises(DuplicateRequestId) as info:
+        client.submit(b"x", timeout_s=-10**6, request_id="late-1")
+    assert info.value.duplicates == ["late-1"]
+    assert r.xlen(keys.stream(Lane.INTERACTIVE)) == 1
+
+
+def test_the_duplicate_reply_names_the_owner_and_the_client_matches_its_first_word(
+        client: Client, r: redis.Redis, keys: Keys) -> None:
+    client.submit(b"first", request_id="dup-1")
+    (entry_id, _), = r.xrange(keys.stream(Lane.INTERACTIVE))
+    k, a = _good(keys, "dup-1", Lane.INTERACTIVE)
+    with pytest.raises(redis.ResponseError) as raw:
+        _call(r, k, a)
+    assert str(raw.value) == f"{DUPLICATE_REPLY} {entry_id.decode()}"
+    with pytest.raises(DuplicateRequestId) as info:
+        client.submit(b"second", request_id="dup-1")
+    assert str(info.value) == "duplicate_request_id: request id 'dup-1' is already in use"
+    ids = client.submit_many([b"a", b"b"])
+    with pytest.raises(DuplicateRequestId) as many:
+        client.submit_jobs([client.job(b"c", request_id=ids[0]), client.job(b"d")])
+    assert many.value.duplicates == [ids[0]] and len(many.value.accepted) == 1
+    r.delete(keys.owner("dup-1"))
+    r.hset(keys.owner("dup-1"), "planted", 1)  # another type: still taken, owner unknown
+    with pytest.raises(redis.ResponseError) as planted:
+        _call(r, k, a)
+    assert str(planted.value) == f"{DUPLICATE_REPLY} ?"
+    assert r.xlen(keys.stream(Lane.INTERACTIVE)) == 4
+
+
+def test_a_user_who_may_not_set_the_owner_key_adds_nothing(
+        redis_url: str, r: redis.Redis, keys: Keys) -> None:
+    """Redis 7 checks ACLs at each command of a script: without the up-front check the
+    XADD ran, the SET was refused, and the caller got an error for a queued job."""
+    user = f"producer-{uuid.uuid4().hex[:8]}"
+    r.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"],
+                  commands=["+@all", "-set"])
+    try:
+        url = redis_url.replace("redis://", f"redis://{user}:pw@", 1)
+        with redis.Redis.from_url(url) as limited:
+            with pytest.raises(redis.exceptions.NoPermissionError) as info:
+                _call(limited, *_good(keys))
+        assert str(info.value) == f"this user may not SET {keys.owner('a1')}"
+        assert r.dbsize() == 0
+    finally:
+        r.acl_deluser(user)

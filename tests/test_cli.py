@@ -120,3 +120,33 @@ def test_without_redis_server_installed_the_command_says_how_to_get_one(tmp_path
     assert "redis-server was not found" in proc.stderr and "apt-get install" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_bad_worker_name_is_one_line(redis_url: str) -> None:
+    for option in ("--prefix", "--model-name"):
+        run = subprocess.run([sys.executable, "-m", "redbatch.common.cli", "worker", "--redis",
+                              redis_url, option, "a b", "--metrics-port", "0"],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+        assert run.stderr.strip().splitlines()[-1].startswith("Error: invalid"), run.stderr
+
+
+def test_a_refusal_from_redis_during_score_is_one_line(redis_url: str, r: object,
+                                                       tmp_path: Path) -> None:
+    # A user Redis lets connect but not run the admission script (an ACL written by hand).
+    import redis as redis_py
+
+    admin = redis_py.Redis.from_url(redis_url)
+    user = f"no-scripts-{uuid.uuid4().hex[:6]}"
+    admin.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"],
+                      commands=["+@all", "-eval", "-evalsha"])
+    try:
+        url = redis_url.replace("redis://", f"redis://{user}:pw@")
+        run = subprocess.run([sys.executable, "-m", "redbatch.common.cli", "score",
+                              str(SAMPLES), "-o", str(tmp_path / "out.jsonl"), "--redis", url],
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        admin.acl_deluser(user)
+        admin.close()
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "Error: Redis refused" in run.stderr and "pw@" not in run.stderr, run.stderr

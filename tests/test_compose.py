@@ -322,8 +322,10 @@ def test_prometheus_scrapes_every_worker_service() -> None:
     # Type A on the service name: Docker's DNS returns every replica of a scaled service.
     targets = {(name, c["port"]) for c in sd if c.get("type", "SRV") == "A" for name in c["names"]}
     for name in redbatch_services(compose):
-        port = int(service_env(compose["services"][name])["REDBATCH_METRICS_PORT"])
-        assert (name, port) in targets, name
+        env = service_env(compose["services"][name])
+        assert (name, int(env["REDBATCH_METRICS_PORT"])) in targets, name
+        # Workers listen on loopback unless told otherwise; Prometheus is another container.
+        assert env["REDBATCH_METRICS_HOST"] == "0.0.0.0", name
     prometheus = compose["services"]["prometheus"]
     config_flag = next(a for a in prometheus["command"] if a.startswith("--config.file="))
     assert host_path(prometheus, config_flag.split("=", 1)[1]) == PROMETHEUS_CONFIG

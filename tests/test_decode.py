@@ -14,7 +14,14 @@ from hypothesis import strategies as st
 from PIL import Image
 from redbatch.common.config import LimitSettings
 from redbatch.common.protocol import ErrorCode
-from redbatch.preproc_worker.decode import InputError, open_image, resize_center_crop
+from redbatch.preproc_worker.decode import (
+    REFUSED_SIGNATURES,
+    InputError,
+    Signature,
+    open_image,
+    refused_format,
+    resize_center_crop,
+)
 
 LIMITS = LimitSettings()
 CAT = (SAMPLES / "cat.jpg").read_bytes()
@@ -137,3 +144,68 @@ def test_fuzz_decoder_raises_only_input_errors(noise: bytes, cut: int) -> None:
             open_image(data, LIMITS)
         except InputError:
             pass
+
+
+# --------------------------------------------------------------------- recognised formats
+
+
+def _saved(fmt: str, mode: str = "RGB") -> bytes:
+    """The sample photo, small, written by Pillow in ``fmt``: a real file of that format."""
+    return encode(photo().resize((64, 48)).convert(mode), fmt)
+
+
+@pytest.mark.parametrize("fmt, mode, name", [
+    ("PPM", "RGB", "PPM"), ("PPM", "L", "PGM"), ("PPM", "1", "PBM"), ("PDF", "RGB", "PDF"),
+    ("EPS", "RGB", "PostScript/EPS"), ("ICO", "RGB", "ICO"), ("JPEG2000", "RGB", "JPEG 2000"),
+    ("PCX", "RGB", "PCX"), ("SGI", "RGB", "SGI"), ("DDS", "RGB", "DDS"),
+    ("TGA", "RGB", "CUR/TGA"),
+])
+def test_refused_formats_are_unsupported_not_bad(fmt: str, mode: str, name: str) -> None:
+    with pytest.raises(InputError) as info:
+        open_image(_saved(fmt, mode), LIMITS)
+    assert info.value.code is ErrorCode.UNSUPPORTED_FORMAT
+    assert info.value.message.startswith(f"{name} is not accepted; send one of JPEG, PNG")
+
+
+@pytest.mark.parametrize("fmt, mode", [("MSP", "1"), ("XBM", "1"),
+                                       ("SPIDER", "L"), ("DIB", "RGB")])
+def test_formats_without_a_listed_signature_are_bad_images(fmt: str, mode: str) -> None:
+    with pytest.raises(InputError) as info:
+        open_image(_saved(fmt, mode), LIMITS)
+    assert (info.value.code, info.value.message) == (ErrorCode.BAD_IMAGE,
+                                                     "not a recognised image")
+
+
+@pytest.mark.parametrize("sig", REFUSED_SIGNATURES, ids=lambda s: f"{s.name}@{s.offset}")
+def test_each_listed_signature_is_unsupported_format(sig: Signature) -> None:
+    data = b"\x00" * sig.offset + sig.magic + b"\x00" * 64
+    assert refused_format(data) == sig.name
+    with pytest.raises(InputError) as info:
+        open_image(data, LIMITS)
+    assert info.value.code is ErrorCode.UNSUPPORTED_FORMAT
+    assert info.value.message.startswith(f"{sig.name} is not accepted")
+
+
+def _tiff_with_compression(compression: int) -> bytes:
+    """The sample photo as a TIFF whose first directory declares ``compression``."""
+    data = bytearray(encode(photo().resize((32, 24)), "TIFF"))
+    assert data[:4] == b"II*\x00"
+    ifd = struct.unpack_from("<I", data, 4)[0]
+    for i in range(struct.unpack_from("<H", data, ifd)[0]):
+        entry = ifd + 2 + 12 * i
+        if struct.unpack_from("<H", data, entry)[0] == 259:
+            struct.pack_into("<H", data, entry + 8, compression)
+            return bytes(data)
+    raise AssertionError("no compression tag")
+
+
+def test_a_tiff_with_a_compression_without_decoder_is_unsupported_format() -> None:
+    for compression in (34712, 60000):  # JPEG 2000 in TIFF; a code nobody assigned
+        with pytest.raises(InputError) as info:
+            open_image(_tiff_with_compression(compression), LIMITS)
+        assert info.value.code is ErrorCode.UNSUPPORTED_FORMAT
+        assert info.value.message.startswith(f"TIFF compression {compression} cannot be")
+    assert open_image(_tiff_with_compression(1), LIMITS).size == (32, 24)
+    with pytest.raises(InputError) as info:
+        open_image(b"II*\x00\xff\xff\xff\x7f", LIMITS)  # its directory is nowhere
+    assert info.value.code is ErrorCode.BAD_IMAGE

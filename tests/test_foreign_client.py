@@ -40,14 +40,15 @@ def node_client() -> Path:
     return NODE_DIR / "submit.mjs"
 
 
-def run_client(script: Path, *args: str) -> dict[str, Any]:
-    """Run the node client; return the one JSON line it prints."""
+def run_client(script: Path, *args: str, rc: int = 0) -> dict[str, Any]:
+    """Run the node client; check its exit status is ``rc``; return the one JSON line it
+    prints."""
     node = shutil.which("node")
     assert node is not None
     proc = subprocess.run([node, str(script), *args], cwd=script.parent,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, (f"node client exited {proc.returncode}\n"
-                                  f"stdout: {proc.stdout}\nstderr: {proc.stderr}")
+    assert proc.returncode == rc, (f"node client exited {proc.returncode}\n"
+                                   f"stdout: {proc.stdout}\nstderr: {proc.stderr}")
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, f"expected one line of JSON, got: {proc.stdout!r}"
     result: dict[str, Any] = json.loads(lines[0])
@@ -101,3 +102,23 @@ def test_node_client_cat_then_garbage_leaves_nothing_pending(
     assert (bad["status"], bad["error_code"]) == ("error", "bad_envelope"), bad
     assert pending_count(r) == 0
     assert r.xlen(STREAM) == 0  # each entry left the stream together with its result
+
+
+def test_node_client_admits_through_the_pages_script_and_reads_its_refusals(
+        node_client: Path, redis_url: str, r: redis.Redis,
+        start_worker: WorkerFactory) -> None:
+    """The Node client takes the admission script from PROTOCOL.md and matches the first
+    word of the error reply as node-redis hands it over (no "ERR " stripping there)."""
+    start_worker()
+    cat = str(SAMPLES / "cat.jpg")
+    ok = run_client(node_client, redis_url, cat, "--admit", "--rid=node-1")
+    assert (ok["id"], ok["status"], ok["label"] in CAT_LABELS) == ("node-1", "ok", True), ok
+    owner = r.get(f"redbatch:{{{TEST_MODEL}}}:owner:node-1")
+    assert owner is not None
+    again = run_client(node_client, redis_url, cat, "--admit", "--rid=node-1", rc=3)
+    assert again == {"id": "node-1", "admit_code": "DUPLICATE_REQUEST_ID",
+                     "admit_error": f"DUPLICATE_REQUEST_ID {owner.decode()}"}, again
+    r.hset(f"redbatch:{{{TEST_MODEL}}}:limits", "interactive", 0)
+    full = run_client(node_client, redis_url, cat, "--admit", rc=3)
+    assert (full["admit_code"], full["admit_error"]) == ("QUEUE_FULL", "QUEUE_FULL 0"), full
+    assert r.xlen(STREAM) == 0 and pending_count(r) == 0

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from redbatch.common import protocol as p
+from redbatch.common.config import Settings
 from redbatch.common.protocol import (
     ErrorCode,
     JobEnvelope,
@@ -20,6 +21,7 @@ from redbatch.common.protocol import (
     ResultEnvelope,
     Status,
 )
+from redbatch.preproc_worker.decode import ALLOWED_FORMATS, REFUSED_SIGNATURES
 
 DOC = (Path(__file__).resolve().parent.parent / "PROTOCOL.md").read_text()
 MAX = 1024 * 1024
@@ -191,7 +193,65 @@ def test_doc_names_keys_fields_and_group() -> None:
 def test_doc_gives_the_admission_script_and_limits_key() -> None:
     assert f"```lua\n{p.ADMIT_SCRIPT}```" in DOC, "PROTOCOL.md holds the script verbatim"
     assert Keys("M", "P").limits() == "P:{M}:limits" and "`P:{M}:limits`" in DOC
-    assert f"`{p.QUEUE_FULL_REPLY} <bound>`" in DOC
+    replies = _table_first_column("#### Replies, as they arrive")
+    for code in p.ADMIT_ERROR_CODES:
+        assert any(row.startswith(f"-{code} <") for row in replies), code
+    # Each error the script replies is "CODE text", which Redis passes on without "ERR ".
+    made = re.findall(r"error_reply\('([A-Z_]+) ", p.ADMIT_SCRIPT)
+    assert sorted(made) == sorted(p.ADMIT_ERROR_CODES)
+    assert p.ADMIT_SCRIPT.count("error_reply(") == len(made)
+
+
+def test_doc_gives_the_owner_ttl_formula_of_the_code() -> None:
+    assert "`max(0, deadline_ms - submitted_ms) + 600000`" in DOC
+    assert "`86400000` for a job without one" in DOC
+    for budget in (-10**12, -1, 0, 1, 5000, 10**9):
+        assert p.owner_ttl_ms(budget) == max(0, budget) + 600000 > 0
+    assert p.owner_ttl_ms(None) == 86400000
+    assert f"at most {p.MAX_OWNER_TTL_DIGITS} digits" in DOC
+    assert len(str(p.owner_ttl_ms(10**12))) <= p.MAX_OWNER_TTL_DIGITS
+
+
+def _limits_on_the_page() -> dict[str, int]:
+    section = DOC.split("\n## Limits\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| ([^|]+?) \| ([\d,]+)", section, re.M)
+    return {name: int(number.replace(",", "")) for name, number in rows}
+
+
+def test_doc_limits_are_the_limits_in_the_code() -> None:
+    defaults = Settings()
+    assert _limits_on_the_page() == {
+        "payload": defaults.limits.max_payload_bytes,
+        "envelope overhead": p.MAX_ENVELOPE_OVERHEAD_BYTES,
+        "model name": p.MAX_NAME_CHARS,
+        "prefix": p.MAX_NAME_CHARS,
+        "reply list name": p.MAX_NAME_CHARS,
+        "request id": p.MAX_REQUEST_ID_CHARS,
+        "content_type": p.MAX_CONTENT_TYPE_BYTES,
+        "params": p.MAX_PARAMS,
+        "msgpack str": p.MAX_STR_BYTES,
+        "msgpack array": p.MAX_ARRAY_LEN,
+        "msgpack map": p.MAX_MAP_LEN,
+        "msgpack nesting": p.MAX_DEPTH,
+        "image pixels": defaults.limits.max_image_pixels,
+        "image side": defaults.limits.max_image_side,
+        "deliveries": defaults.max_deliveries,
+        "owner TTL": p.MAX_OWNER_TTL_DIGITS,
+        "result TTL": defaults.result_ttl_s,
+        "dead-letter stream": p.DLQ_MAX_LEN,
+        "result envelope": p.MAX_RESULT_BYTES,
+    }
+
+
+def test_doc_recognised_formats_are_the_decoders() -> None:
+    section = DOC.split("### Recognised formats", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| ([^|]+?) \| (\d+) \| `([0-9A-F ]+)` \|", section, re.M)
+    assert [(name, int(offset), bytes.fromhex(magic)) for name, offset, magic in rows] == \
+        [(sig.name, sig.offset, sig.magic) for sig in REFUSED_SIGNATURES]
+    accepted = re.search(r"accepted formats only: ([^.]+)\.", " ".join(section.split()))
+    assert accepted is not None
+    names = accepted.group(1).replace(" and ", ", ").split(", ")
+    assert [n.upper() for n in names] == list(ALLOWED_FORMATS)
 
 
 @pytest.mark.parametrize("raw, bound", [(None, None), (b"10", 10), ("0", 0), (b"2.5", 3),
@@ -200,3 +260,97 @@ def test_doc_gives_the_admission_script_and_limits_key() -> None:
 def test_queue_bounds_parse_as_the_script_reads_them(raw: bytes | None,
                                                      bound: int | None) -> None:
     assert p.parse_queue_bound(raw) == bound
+
+
+# --------------------------------------------------------------------- names are matched whole
+
+
+def test_names_and_request_ids_with_a_trailing_newline_are_refused() -> None:
+    for name in ("m\n", "m\r\n", "m ", "\nm"):
+        with pytest.raises(ValueError):
+            p.validate_name(name)
+        assert not p.valid_request_id(name)
+    k = Keys("m", "rb")
+    assert not k.is_reply(k.reply("run-1") + "\n")
+    assert p.parse_job_stream("rb", "rb:{m\n}:jobs:bulk") is None
+    assert p.parse_job_stream("rb", "rb:{m}:jobs:bulk") == ("m", Lane.BULK)
+    for limit, ok in ((p.MAX_NAME_CHARS, True), (p.MAX_NAME_CHARS + 1, False)):
+        assert k.is_reply(f"rb:{{m}}:reply:{'n' * limit}") is ok
+        assert p.valid_request_id("r" * (p.MAX_REQUEST_ID_CHARS + limit - p.MAX_NAME_CHARS)) \
+            is ok
+
+
+def test_a_request_id_with_a_newline_is_unusable_and_a_model_name_is_bad_envelope() -> None:
+    with pytest.raises(ProtocolError) as info:
+        JobEnvelope.decode(fields_with(good_body(), rid=b"r1\n"), MAX)
+    assert info.value.code is ErrorCode.BAD_REQUEST_ID and info.value.request_id is None
+    with pytest.raises(ProtocolError) as info:
+        JobEnvelope.decode(fields_with({**good_body(), "model": "m\n"}), MAX)
+    assert info.value.code is ErrorCode.BAD_ENVELOPE, "not wrong_model: it is no model name"
+    assert "'m\\n'" in info.value.message
+
+
+# --------------------------------------------------------------------- limits, enforced
+
+
+def _decode_code(body: object, max_payload: int = MAX) -> ErrorCode | None:
+    try:
+        JobEnvelope.decode(fields_with(body), max_payload)
+    except ProtocolError as e:
+        return e.code
+    return None
+
+
+@pytest.mark.parametrize("make, at_limit", [
+    (lambda n: {"content_type": "c" * n}, p.MAX_CONTENT_TYPE_BYTES),
+    (lambda n: {"content_type": "é" * (n // 2)}, p.MAX_CONTENT_TYPE_BYTES),  # bytes, not chars
+    (lambda n: {"params": {f"k{i}": i for i in range(n)}}, p.MAX_PARAMS),
+    (lambda n: {"params": {"k": "s" * n}}, p.MAX_STR_BYTES),
+    (lambda n: {"extra": list(range(n))}, p.MAX_ARRAY_LEN),
+    (lambda n: {"extra": {str(i): i for i in range(n)}}, p.MAX_MAP_LEN),
+    (lambda n: {"model": "m" * n}, p.MAX_NAME_CHARS),
+])
+def test_each_limit_admits_its_value_and_refuses_one_more(make, at_limit: int) -> None:  # type: ignore[no-untyped-def]
+    step = 2 if "é" in str(make(2)) else 1  # two UTF-8 bytes a character
+    assert _decode_code({**good_body(), **make(at_limit)}) is None
+    assert _decode_code({**good_body(), **make(at_limit + step)}) is ErrorCode.BAD_ENVELOPE
+
+
+def test_nesting_is_admitted_to_its_limit_and_refused_past_it() -> None:
+    body = msgpack.packb(good_body(), use_bin_type=True)
+    assert body[0] == 0x88  # a fixmap of 8 entries; one more is added by hand below
+    for depth, code in ((p.MAX_DEPTH, None), (p.MAX_DEPTH + 1, ErrorCode.BAD_ENVELOPE)):
+        # The body map is the first level, then depth - 1 arrays (packb refuses to nest so).
+        extra = b"\xa5extra" + b"\x91" * (depth - 1) + b"\xc0"
+        try:
+            JobEnvelope.decode({b"rid": b"r1", b"job": b"\x89" + body[1:] + extra}, MAX)
+            got = None
+        except ProtocolError as e:
+            got = e.code
+        assert got is code, depth
+
+
+def test_the_job_field_may_exceed_the_payload_limit_by_the_overhead_only() -> None:
+    limit, target = 1000, 1000 + p.MAX_ENVELOPE_OVERHEAD_BYTES
+    body = {**good_body(), "payload": b"p" * limit, "pad": b""}
+    while (raw := msgpack.packb(body, use_bin_type=True)) and len(raw) != target:
+        body["pad"] = b"x" * (len(body["pad"]) + target - len(raw))  # its header may grow
+    assert len(raw) == target
+    JobEnvelope.decode({b"rid": b"r1", b"job": raw}, limit)
+    with pytest.raises(ProtocolError) as info:
+        JobEnvelope.decode({b"rid": b"r1", b"job": raw + b"\x00"}, limit)
+    assert info.value.code is ErrorCode.PAYLOAD_TOO_LARGE and info.value.request_id == "r1"
+
+
+def test_a_depth_bomb_says_what_happened() -> None:
+    bomb = b"\x81\xa1v" + b"\x91" * 100_000 + b"\xc0"  # {"v": [[[[...]]]]}
+    with pytest.raises(ProtocolError) as info:
+        JobEnvelope.decode({b"rid": b"r1", b"job": bomb}, MAX)
+    assert info.value.code is ErrorCode.BAD_ENVELOPE
+    assert info.value.message == f"body nests arrays or maps deeper than {p.MAX_DEPTH} levels"
+
+
+def test_params_with_bin_keys_are_refused() -> None:
+    with pytest.raises(ProtocolError) as info:
+        JobEnvelope.decode(fields_with({**good_body(), "params": {b"k": 1}}), MAX)
+    assert info.value.code is ErrorCode.BAD_ENVELOPE and "param key b'k'" in info.value.message

@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 import pytest
 import redis
-from conftest import SAMPLES, WorkerFactory, marked_env, processes_with_mark
+from conftest import SAMPLES, SHM_PREFIX, WorkerFactory, marked_env, processes_with_mark
 from PIL import Image
 from redbatch.common.protocol import GROUP, ErrorCode, Keys, Lane
 
@@ -204,7 +204,7 @@ def _assert_embedded_stack_cleaned_up(run: Tracked, mark: str, private_tmp: Path
     kinds = " | ".join(cmd for _, cmd in run.seen.values())
     assert "redis-server" in kinds, f"no private redis-server was seen: {kinds}"
     assert "redbatch.common.cli worker" in kinds, f"no local worker was seen: {kinds}"
-    assert any(name.startswith("psm_") for name in run.shm), \
+    assert any(name.startswith(f"{SHM_PREFIX}-") for name in run.shm), \
         f"the worker's shared memory was not seen: {run.shm}"
     deadline = time.monotonic() + 10
     while True:

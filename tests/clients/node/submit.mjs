@@ -3,20 +3,30 @@
 //
 //   node submit.mjs REDIS_URL IMAGE_PATH [MODEL] [PREFIX]   submit one image, wait, print result
 //   node submit.mjs REDIS_URL --raw-garbage [MODEL] [PREFIX] submit a `job` that is not msgpack
+// Options, anywhere: --admit submits through the admission script, taken from PROTOCOL.md
+// itself, instead of a plain XADD; --rid=ID uses that request id instead of a fresh one.
 //
-// Prints one line of JSON: {id, status, label, error_code, result}.
-// Exit status: 0 when a result arrived (even an error result), 2 on timeout, 1 on usage error.
+// Prints one line of JSON: {id, status, label, error_code, result}, or, when the admission
+// script refuses the job, {id, admit_error, admit_code} (the error reply as it arrived).
+// Exit status: 0 when a result arrived (even an error result), 2 on timeout, 3 when the
+// admission script refused the job, 1 on usage error.
 import { readFileSync } from 'node:fs';
 import { randomUUID } from 'node:crypto';
 import { extname } from 'node:path';
 import { createClient, RESP_TYPES } from 'redis';
 import { encode, decode } from '@msgpack/msgpack';
 
-const [url, input, model = 'efficientnet_lite0', prefix = 'redbatch'] = process.argv.slice(2);
+const argv = process.argv.slice(2);
+const options = argv.filter((a) => a === '--admit' || a.startsWith('--rid='));
+const [url, input, model = 'efficientnet_lite0', prefix = 'redbatch'] =
+  argv.filter((a) => !options.includes(a));
 if (!url || !input) {
-  console.error('usage: node submit.mjs REDIS_URL (IMAGE_PATH | --raw-garbage) [MODEL] [PREFIX]');
+  console.error('usage: node submit.mjs REDIS_URL (IMAGE_PATH | --raw-garbage) [MODEL] [PREFIX]'
+                + ' [--admit] [--rid=ID]');
   process.exit(1);
 }
+const admit = options.includes('--admit');
+const ridOption = options.find((a) => a.startsWith('--rid='));
 
 const WAIT_MS = 60_000;        // give up after this long
 const BLPOP_SECONDS = 3;       // "a few seconds at a time"
@@ -24,26 +34,30 @@ const CONTENT_TYPES = { '.jpg': 'image/jpeg', '.jpeg': 'image/jpeg', '.png': 'im
   '.webp': 'image/webp', '.gif': 'image/gif', '.bmp': 'image/bmp' };
 
 // Keys: every key of one model carries `{model}` as a Redis Cluster hash tag.
-const rid = randomUUID().replaceAll('-', '');          // UUID4 in hex
+const rid = ridOption ? ridOption.slice('--rid='.length)
+  : randomUUID().replaceAll('-', '');                  // UUID4 in hex
 const streamKey = `${prefix}:{${model}}:jobs:interactive`;
 const resultKey = `${prefix}:{${model}}:result:${rid}`;
 const doneKey = `${prefix}:{${model}}:done:${rid}`;
+const limitsKey = `${prefix}:{${model}}:limits`;
+const ownerKey = `${prefix}:{${model}}:owner:${rid}`;
 
 // Buffer <-> Uint8Array without copying; node-redis sends Buffer arguments as raw bytes.
 const asBuffer = (u8) => Buffer.from(u8.buffer, u8.byteOffset, u8.byteLength);
 
 let job;
+const submitted = Date.now();
+const deadline = submitted + WAIT_MS;
 if (input === '--raw-garbage') {
   job = Buffer.from('not msgpack at all');
 } else {
-  const submitted = Date.now();
   job = asBuffer(encode({
     v: 1,
     model,
     payload: readFileSync(input),                      // a Buffer is encoded as msgpack bin
     content_type: CONTENT_TYPES[extname(input).toLowerCase()] ?? 'application/octet-stream',
     submitted_ms: submitted,
-    deadline_ms: submitted + WAIT_MS,
+    deadline_ms: deadline,
     lane: 'interactive',
     params: {},
   }));
@@ -55,8 +69,25 @@ await base.connect();
 // Replies as Buffers, so the msgpack result reaches the decoder byte for byte.
 const client = base.withTypeMapping({ [RESP_TYPES.BLOB_STRING]: Buffer });
 
-// Exactly two fields: rid outside the envelope, job the msgpack envelope.
-await client.sendCommand(['XADD', streamKey, '*', 'rid', rid, 'job', job]);
+if (admit) {
+  // The admission script exactly as PROTOCOL.md gives it, called as the page says.
+  const page = readFileSync(new URL('../../../PROTOCOL.md', import.meta.url), 'utf8');
+  const script = page.match(/```lua\n([\s\S]*?)```/)[1];
+  const ownerTtl = Math.max(0, deadline - submitted) + 600000;
+  try {
+    await client.sendCommand(['EVAL', script, '3', streamKey, limitsKey, ownerKey,
+      'interactive', String(ownerTtl), 'rid', rid, 'job', job]);
+  } catch (err) {
+    // Every error reply of the script is "CODE text": the code is the first word.
+    console.log(JSON.stringify({ id: rid, admit_error: err.message,
+      admit_code: err.message.split(' ')[0] }));
+    await base.close();
+    process.exit(3);
+  }
+} else {
+  // Exactly two fields: rid outside the envelope, job the msgpack envelope.
+  await client.sendCommand(['XADD', streamKey, '*', 'rid', rid, 'job', job]);
+}
 
 // Wait: GET; else BLPOP the done key for a few seconds; GET again; until the give-up time.
 const giveUpAt = Date.now() + WAIT_MS;

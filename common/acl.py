@@ -1,0 +1,197 @@
+"""Least-privilege Redis ACL users for the two roles that use redbatch's keys.
+
+NOTE [ ACL roles ]
+  Redis 7 selectors bind commands to key patterns: ``(+blpop ~K)`` allows BLPOP on K
+  and nothing else there. Every pattern comes from :class:`Keys` (a key built with a
+  placeholder id whose tail becomes ``*``), so the rules follow the protocol, and one
+  user may serve several models (each model adds its own patterns).
+
+  producer: submit through the admission script (EVAL/EVALSHA; inside it HGET of the
+    limits hash, XLEN, EXISTS/GET/SET of the id's owner key, XADD to the lane stream),
+    or by a plain XADD; read a lane's backlog and bound (XLEN, HGET) and whether a
+    worker serves it (XINFO GROUPS); wait for and read results (GET, MGET, EXISTS,
+    BLPOP of a done list or a reply list, LPOP of a reply list) and delete what it
+    has read (DEL of result, done, owner and reply keys, as ``redbatch score`` does).
+    It may not write a result or a done token (no SET, RPUSH there), change a bound,
+    touch another model, or run any admin command.
+  worker: everything ``redbatch worker`` sends: the consumer group (XGROUP CREATE,
+    XREADGROUP, XCLAIM, XPENDING, XRANGE, XACK, XDEL, XINFO, the departed-consumer
+    script), results in MULTI/EXEC (SET, RPUSH, PEXPIRE; WATCH and TYPE for the keys
+    it checks first), the owner keys, dead letters (XADD), the fleet status keys
+    (SET, ZADD, ZREM, ZREMRANGEBYSCORE, LPUSH, LTRIM, DEL) and TIME. It may not change
+    a bound, touch another model, or run any admin command.
+  Both: what redis-py sends on connecting (HELLO, CLIENT SETINFO, SELECT for a
+  database other than 0) and PING, SCRIPT LOAD and SCRIPT EXISTS (redis-py loads a
+  script that Redis does not know yet), no Pub/Sub channels.
+
+  Within its models a producer is trusted with every request: request ids are not
+  bound to users, so it can read, await or delete another producer's result, or take
+  an id (SET of its owner key) first. PROTOCOL.md "Trust model" says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import redis
+from redbatch.common.config import DEFAULT_REDIS_URL
+from redbatch.common.protocol import Keys, Lane
+
+_ANY = "ANY0"
+"""A valid request id, reply name and consumer name: the tail that becomes ``*``."""
+
+#: Keyless commands both roles send: redis-py's connection set-up, and script loading.
+CONNECTION = ("hello", "ping", "select", "script|load", "script|exists")
+#: redis-py names itself with CLIENT SETINFO on connecting (it ignores a refusal); Redis
+#: 7.2 added the subcommand, and 7.0 refuses a rule that names it.
+SETINFO = "client|setinfo"
+SETINFO_SINCE = (7, 2)
+SELECTORS_SINCE = (7, 0)
+_USER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
+
+
+class Role(str, Enum):
+    PRODUCER = "producer"
+    WORKER = "worker"
+
+
+@dataclass(frozen=True, slots=True)
+class AclUser:
+    """One user to create: its name, role, SHA-256 of its password, and its rules."""
+
+    name: str
+    role: Role
+    password_sha256: str
+    rules: tuple[str, ...]
+
+    def setuser_args(self) -> list[str]:
+        """Arguments of ``ACL SETUSER name ...``: the user starts from nothing (reset)."""
+        return ["reset", "on", f"#{self.password_sha256}", "resetchannels", *self.rules]
+
+    def setuser_line(self) -> str:
+        """One ``ACL SETUSER`` command, as redis-cli reads it from its standard input."""
+        return " ".join(["ACL", "SETUSER", self.name, *self.setuser_args()])
+
+    def aclfile_line(self) -> str:
+        """The same user as a line of an ACL file (``aclfile`` in redis.conf)."""
+        return " ".join(["user", self.name, *self.setuser_args()])
+
+
+def password_sha256(password: str) -> str:
+    """Hex SHA-256 of the password: what ``#<hash>`` in an ACL rule stores."""
+    return hashlib.sha256(password.encode()).hexdigest()
+
+
+def user_name(name: str) -> str:
+    """``name`` if it is a usable ACL user name (1-64 of [A-Za-z0-9_.-]), else ValueError."""
+    if not _USER_RE.fullmatch(name):
+        raise ValueError(f"invalid ACL user name {name!r:.80}: use 1-64 of [A-Za-z0-9_.-]")
+    return name
+
+
+def _glob(key: str) -> str:
+    """``key`` as a literal Redis glob pattern, its placeholder tail made ``*``."""
+    literal = re.sub(r"([*?\[\]\\])", r"\\\1", key)
+    return literal[:-len(_ANY)] + "*" if key.endswith(_ANY) else literal
+
+
+def _keys(*keys: str, mode: str = "~") -> list[str]:
+    return [f"{mode}{_glob(k)}" for k in keys]
+
+
+def _selector(commands: Iterable[str], patterns: Iterable[str]) -> str:
+    return "(" + " ".join([*(f"+{c}" for c in commands), *patterns]) + ")"
+
+
+def _connection(version: tuple[int, int]) -> list[str]:
+    return [f"+{c}" for c in (*CONNECTION, *((SETINFO,) if version >= SETINFO_SINCE else ()))]
+
+
+def producer_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[str, ...]:
+    """Rules of a producer of ``models`` on Redis ``version`` (see NOTE [ ACL roles ])."""
+    streams = [k.stream(lane) for k in models for lane in Lane]
+    limits = [k.limits() for k in models]
+    owners = [k.owner(_ANY) for k in models]
+    answers = [key for k in models
+               for key in (k.result(_ANY), k.done(_ANY), k.owner(_ANY), k.reply(_ANY))]
+    return (
+        "-@all", *_connection(version), "+eval", "+evalsha",
+        # EVAL declares its keys read-write, so the script's keys are the root's; what
+        # the script may do with them is decided command by command by the selectors.
+        *_keys(*streams, *limits, *owners),
+        _selector(("xadd", "xlen", "xinfo|groups"), _keys(*streams)),
+        _selector(("hget",), _keys(*limits, mode="%R~")),
+        _selector(("exists", "get", "set"), _keys(*owners)),
+        _selector(("get", "mget", "exists", "blpop", "lpop", "del"), _keys(*answers)),
+    )
+
+
+_STREAM_COMMANDS = ("xgroup|create", "xgroup|delconsumer", "xreadgroup", "xclaim", "xpending",
+                    "xrange", "xack", "xdel", "xlen", "xinfo|groups", "xinfo|consumers",
+                    "eval", "evalsha")
+_ANSWER_COMMANDS = ("set", "get", "rpush", "pexpire")
+_FLEET_COMMANDS = ("set", "del", "zadd", "zrem", "zremrangebyscore", "lpush", "ltrim",
+                   "pexpire")
+#: Every key-bound command a worker may also use to check a key before it writes it.
+_CHECKS = ("type", "watch", "exists", "pttl")
+
+
+def worker_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[str, ...]:
+    """Rules of a worker of ``models`` on Redis ``version`` (see NOTE [ ACL roles ])."""
+    streams = [k.stream(lane) for k in models for lane in Lane]
+    answers = [key for k in models
+               for key in (k.result(_ANY), k.done(_ANY), k.owner(_ANY), k.reply(_ANY))]
+    fleet = [key for k in models for key in (k.workers(), k.worker(_ANY), k.recent())]
+    return (
+        "-@all", *_connection(version),
+        *(f"+{c}" for c in ("time", "multi", "exec", "discard", "unwatch")),
+        _selector((*_STREAM_COMMANDS, *_CHECKS), _keys(*streams)),
+        _selector(("xadd", "xlen", *_CHECKS), _keys(*(k.dlq() for k in models))),
+        _selector((*_ANSWER_COMMANDS, *_CHECKS), _keys(*answers)),
+        _selector((*_FLEET_COMMANDS, *_CHECKS), _keys(*fleet)),
+    )
+
+
+def build_user(name: str, role: Role, password: str, models: Sequence[Keys],
+               version: tuple[int, int] = SETINFO_SINCE) -> AclUser:
+    """The user ``name`` of ``role`` for ``models`` on Redis ``version`` (major, minor);
+    ValueError for a bad name, no model, or a Redis without selectors (before 7.0)."""
+    if not models:
+        raise ValueError("name at least one model")
+    if version < SELECTORS_SINCE:
+        raise ValueError(f"Redis {version[0]}.{version[1]} has no ACL selectors: redbatch's "
+                         "ACL users need Redis 7.0 or later")
+    rules = (producer_rules if role is Role.PRODUCER else worker_rules)(models, version)
+    return AclUser(user_name(name), role, password_sha256(password), rules)
+
+
+def user_url(base_url: str | None, user: str, password: str | None) -> str:
+    """``base_url`` (default: the default Redis URL) with ``user`` and ``password`` as its
+    credentials, percent-encoded, and any other credentials dropped; ``***`` stands for
+    a password that is None (one the caller must not show)."""
+    parts = urlsplit(base_url or DEFAULT_REDIS_URL)
+    host = parts.netloc.rpartition("@")[2]
+    secret = "***" if password is None else quote(password, safe="")
+    query = "&".join(p for p in parts.query.split("&")
+                     if p and not p.split("=", 1)[0].lower().endswith(("password", "username")))
+    return urlunsplit((parts.scheme, f"{quote(user, safe='')}:{secret}@{host}", parts.path,
+                       query, ""))
+
+
+def server_version(r: redis.Redis) -> tuple[int, int]:
+    """(major, minor) of the Redis server ``r`` talks to (INFO server)."""
+    major, minor, *_ = str(r.info("server")["redis_version"]).split(".")
+    return int(major), int(minor)
+
+
+def apply(r: redis.Redis, user: AclUser) -> None:
+    """Create or replace ``user`` on the server (ACL SETUSER); needs an admin connection.
+    Raises redis-py's errors (NoPermissionError for a connection that is not admin)."""
+    # acl_setuser cannot express a selector with several commands and keys.
+    r.execute_command(  # type: ignore[no-untyped-call]
+        "ACL", "SETUSER", user.name, *user.setuser_args())

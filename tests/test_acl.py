@@ -1,0 +1,267 @@
+"""``redbatch acl``: least-privilege users, tested by running the real thing under them.
+
+A private redis-server whose default user is the admin (requirepass). The users are made
+by the command itself; a real worker serves real photos under the worker user, submitted
+by a Client and by ``redbatch score`` under the producer user, and Redis's ACL LOG must
+then hold no refusal. What each role must not do is refused with NOPERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+import redis
+from click.testing import CliRunner
+from conftest import SAMPLES, TEST_MODEL
+from redbatch.common.acl import Role, build_user, server_version
+from redbatch.common.cli import main
+from redbatch.common.protocol import ADMIT_SCRIPT, GROUP, Keys, Lane
+from redbatch.common.redis_server import RedisServer
+from redbatch.producer.client import Client
+from spawned_workers import spawned_workers
+
+ADMIN = "admin/p@ss"
+PRODUCER_PW = "prod:uc/er@pw"
+WORKER_PW = "wo/rk@er:pw"
+OTHER = "other_model"
+KEYS = Keys(TEST_MODEL)
+THEIRS = Keys(OTHER)
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    return subprocess.run([sys.executable, "-m", "redbatch.common.cli", *args],
+                          env={**base, **(env or {})}, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=300)
+
+
+def url_of(text: str, user: str) -> str:
+    """The URL the command printed for ``user``."""
+    match = re.search(rf"ACL user {user} .*connect with (\S+)", text)
+    assert match, text
+    return match.group(1)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    with RedisServer(password=ADMIN) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def users(server: RedisServer) -> dict[str, str]:
+    """The users made by ``redbatch acl --apply``; their URLs by role."""
+    out = cli("acl", "--apply", "--model", TEST_MODEL, "--redis", server.url,
+              env={"REDBATCH_ACL_PRODUCER_PASSWORD": PRODUCER_PW,
+                   "REDBATCH_ACL_WORKER_PASSWORD": WORKER_PW})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("applied ACL user") for line in lines)
+    for secret in (PRODUCER_PW, WORKER_PW, ADMIN):
+        assert secret not in out.stdout + out.stderr
+    redis.Redis.from_url(server.url).acl_log_reset()
+    given = {"producer": PRODUCER_PW, "worker": WORKER_PW}
+    return {role: url_of(out.stdout, f"redbatch-{role}").replace("***", quote(pw, safe=""))
+            for role, pw in given.items()}
+
+
+@pytest.fixture
+def as_user(users: dict[str, str]) -> Iterator[Callable[[str], redis.Redis]]:
+    made: list[redis.Redis] = []
+
+    def connect(role: str) -> redis.Redis:
+        made.append(redis.Redis.from_url(users[role]))
+        return made[-1]
+
+    yield connect
+    for client in made:
+        client.close()
+
+
+def consumers(admin: redis.Redis) -> set[bytes]:
+    groups = admin.xinfo_consumers(KEYS.stream(Lane.INTERACTIVE), GROUP)
+    return {c["name"] if isinstance(c["name"], bytes) else c["name"].encode() for c in groups}
+
+
+def refusals(server: RedisServer) -> list[dict[str, object]]:
+    return [entry for entry in redis.Redis.from_url(server.url).acl_log()
+            if entry["username"] in ("redbatch-producer", "redbatch-worker")]
+
+
+def strand_jobs(admin: redis.Redis, producer_url: str, photo: bytes) -> str:
+    """A job read by a consumer that died (pending, for a takeover) and an entry with no
+    request id (for the dead-letter stream); returns the stranded job's request id."""
+    stream = KEYS.stream(Lane.INTERACTIVE)
+    with Client(producer_url) as client:
+        stranded = client.submit(photo, timeout_s=120)
+    admin.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    assert admin.xreadgroup(GROUP, "gone", {stream: ">"}, count=1)
+    admin.xadd(stream, {"job": b"nobody to answer"})
+    return stranded
+
+
+def test_everything_documented_works_under_the_two_users(
+        server: RedisServer, users: dict[str, str], tmp_path: Path) -> None:
+    photos = SAMPLES / "cat.jpg", SAMPLES / "coffee.jpg", SAMPLES / "rocket.jpg"
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for photo in photos:
+        (folder / photo.name).write_bytes(photo.read_bytes())
+    admin = redis.Redis.from_url(server.url)
+    stranded = strand_jobs(admin, users["producer"], photos[1].read_bytes())
+    with spawned_workers(tmp_path) as start:
+        # Short leases: takeover, renewal and the departed-consumer script all run.
+        worker, log = start(users["worker"], "--reclaim-idle-ms", "300")
+        with Client(users["producer"]) as client:
+            assert client.result(stranded, timeout_s=120).ok  # taken over from "gone"
+            assert client.predict(photos[0].read_bytes(), timeout_s=120).ok
+            ids = client.submit_many([p.read_bytes() for p in photos], timeout_s=120)
+            assert all(client.result(i, timeout_s=120).ok for i in ids)
+        assert admin.xlen(KEYS.dlq()) == 1
+        deadline = time.monotonic() + 30
+        while b"gone" in consumers(admin) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert b"gone" not in consumers(admin), "the departed consumer was removed"
+        out = tmp_path / "scores.jsonl"
+        scored = cli("score", str(folder), "-o", str(out), "--redis", users["producer"])
+        assert scored.returncode == 0, scored.stderr
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        assert len(records) == 3 and all(r["status"] == "ok" for r in records), records
+        shown = cli("limit", "--redis", users["producer"])
+        assert shown.returncode == 0 and '"lane": "bulk"' in shown.stdout, shown.stderr
+        assert worker.poll() is None
+    assert worker.returncode == 0
+    text = log.read_text(errors="replace")
+    assert "took over 1 jobs" in text and "removed departed consumers" in text
+    assert "NOPERM" not in text
+    assert refusals(server) == [], "a command the roles send is missing from their rules"
+
+
+def nopermed(call: Callable[[], object]) -> bool:
+    """True when Redis refuses the call for want of permission (NOPERM, or inside a script
+    its "user executing the script can't" error)."""
+    try:
+        call()
+    except redis.exceptions.NoPermissionError:
+        return True
+    except redis.ResponseError as e:
+        return "executing the script can't" in str(e)
+    return False
+
+
+def test_a_producer_may_not_answer_take_over_or_administer(
+        as_user: Callable[[str], redis.Redis]) -> None:
+    p = as_user("producer")
+    forbidden: dict[str, Callable[[], object]] = {
+        "SET result": lambda: p.set(KEYS.result("x"), b"forged"),
+        "SET done": lambda: p.set(KEYS.done("x"), b"1"),
+        "RPUSH done": lambda: p.rpush(KEYS.done("x"), b"1"),
+        "RPUSH reply": lambda: p.rpush(KEYS.reply("theirs"), b"x"),
+        "XADD another model": lambda: p.xadd(THEIRS.stream(Lane.BULK), {"rid": "x"}),
+        "GET another model's result": lambda: p.get(THEIRS.result("x")),
+        "read the jobs (payloads)": lambda: p.xrange(KEYS.stream(Lane.BULK)),
+        "XREADGROUP": lambda: p.xreadgroup("workers", "c", {KEYS.stream(Lane.BULK): ">"}),
+        "HSET limits": lambda: p.hset(KEYS.limits(), "bulk", 1),
+        "DEL a stream": lambda: p.delete(KEYS.stream(Lane.BULK)),
+        "SET a stream": lambda: p.set(KEYS.stream(Lane.BULK), b"x"),
+        "the DLQ": lambda: p.xrange(KEYS.dlq()),
+        "a script writing a result": lambda: p.eval(
+            "return redis.call('SET', KEYS[1], 'forged')", 1, KEYS.result("x")),
+        "a script changing a bound": lambda: p.eval(
+            "return redis.call('HSET', KEYS[1], 'bulk', 0)", 1, KEYS.limits()),
+        "the admission script of another model": lambda: p.eval(
+            ADMIT_SCRIPT, 3, THEIRS.stream(Lane.BULK), THEIRS.limits(), THEIRS.owner("x"),
+            "bulk", 1000, "rid", "x", "job", b"x"),
+        "FLUSHALL": p.flushall, "CONFIG": lambda: p.config_get("*"), "KEYS": lambda: p.keys(),
+        "SCAN": lambda: p.scan(), "SCRIPT FLUSH": p.script_flush, "ACL": p.acl_list,
+        "SUBSCRIBE": lambda: p.publish("x", "y"),
+    }
+    allowed = {name for name, call in forbidden.items() if not nopermed(call)}
+    assert allowed == set()
+
+
+def test_a_worker_may_not_touch_another_model_or_administer(
+        as_user: Callable[[str], redis.Redis]) -> None:
+    w = as_user("worker")
+    forbidden: dict[str, Callable[[], object]] = {
+        "another model's jobs": lambda: w.xreadgroup("workers", "c",
+                                                     {THEIRS.stream(Lane.BULK): ">"}),
+        "another model's group": lambda: w.xgroup_create(THEIRS.stream(Lane.BULK), "workers",
+                                                         mkstream=True),
+        "another model's result": lambda: w.set(THEIRS.result("x"), b"forged"),
+        "another model's DLQ": lambda: w.xadd(THEIRS.dlq(), {"rid": "x"}),
+        "change a bound": lambda: w.hset(KEYS.limits(), "bulk", 0),
+        "FLUSHALL": w.flushall, "FLUSHDB": w.flushdb, "CONFIG": lambda: w.config_get("*"),
+        "KEYS": lambda: w.keys(), "SHUTDOWN": lambda: w.execute_command("SHUTDOWN"),
+        "ACL SETUSER": lambda: w.acl_setuser("x"), "CLIENT LIST": w.client_list,
+        "CLIENT KILL": lambda: w.client_kill_filter(skipme=True),
+    }
+    allowed = {name for name, call in forbidden.items() if not nopermed(call)}
+    assert allowed == set()
+
+
+def test_the_printed_rules_load_as_they_are(server: RedisServer, tmp_path: Path) -> None:
+    """Piped into redis-cli, and as ACL file lines of a server started with them."""
+    made = cli("acl", "--model", "piped", "--producer-user", "piped-p", "--worker-user",
+               "piped-w", "--redis", server.url)
+    assert made.returncode == 0 and len(made.stdout.splitlines()) == 2
+    assert made.stdout.startswith("ACL SETUSER piped-p reset on #")
+    # redis-cli 7.0 does not percent-decode a URL's password: it takes it from REDISCLI_AUTH.
+    loaded = subprocess.run(["redis-cli", "-p", str(server.port)], input=made.stdout,
+                            env={**os.environ, "REDISCLI_AUTH": ADMIN}, capture_output=True,
+                            text=True, timeout=30)
+    assert loaded.stdout.split() == ["OK", "OK"], loaded
+    for user in ("piped-p", "piped-w"):  # the printed URL names the --redis host
+        assert redis.Redis.from_url(url_of(made.stderr, user)).ping()
+
+    lines = cli("acl", "--model", "filed", "--format", "aclfile", "--redis", server.url)
+    aclfile = tmp_path / "users.acl"
+    aclfile.write_text("user default on nopass ~* &* +@all\n" + lines.stdout)
+    with RedisServer(extra_args=["--aclfile", str(aclfile)]) as filed:
+        for user in ("redbatch-producer", "redbatch-worker"):
+            client = redis.Redis.from_url(url_of(lines.stderr, user).replace(
+                f"@127.0.0.1:{server.port}", f"@127.0.0.1:{filed.port}"))
+            assert client.ping() and nopermed(client.flushall)
+
+
+def test_apply_shows_no_password_and_needs_an_admin(users: dict[str, str]) -> None:
+    no_password = CliRunner().invoke(main, ["acl", "--apply", "--model", "m", "--redis",
+                                            users["producer"]])
+    assert no_password.exit_code == 2 and "shows no password" in no_password.output
+    not_admin = cli("acl", "--apply", "--model", "m", "--redis", users["producer"],
+                    env={"REDBATCH_ACL_PRODUCER_PASSWORD": "a",
+                         "REDBATCH_ACL_WORKER_PASSWORD": "b"})
+    assert not_admin.returncode == 1 and "Traceback" not in not_admin.stderr
+    assert PRODUCER_PW not in not_admin.stderr and "NOPERM" in not_admin.stderr
+
+
+def test_one_user_for_several_models_gets_each_and_no_other(server: RedisServer) -> None:
+    admin = redis.Redis.from_url(server.url)
+    version = server_version(admin)
+    models = [Keys("m1"), Keys("m2", "staging")]
+    for role in Role:
+        user = build_user(f"multi-{role.value}", role, "pw", models, version)
+        admin.execute_command("ACL", "SETUSER", user.name, *user.setuser_args())
+
+    def may(user: str, *command: str) -> bool:
+        return bool(admin.execute_command("ACL", "DRYRUN", user, *command) == b"OK")
+
+    for keys in models:
+        stream = keys.stream(Lane.INTERACTIVE)
+        assert may("multi-producer", "XADD", stream, "*", "rid", "x")
+        assert may("multi-producer", "GET", keys.result("x"))
+        assert may("multi-worker", "XREADGROUP", "GROUP", "workers", "c", "STREAMS", stream, ">")
+        assert may("multi-worker", "SET", keys.result("x"), "r", "NX", "GET", "PX", "1000")
+    assert not may("multi-producer", "XADD", Keys("m1", "staging").stream(Lane.BULK), "*",
+                   "rid", "x")
+    assert not may("multi-worker", "XLEN", Keys("m3").stream(Lane.BULK))
+    assert not may("multi-producer", "SET", models[1].result("x"), "forged")
