@@ -12,8 +12,10 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ \
 WORKDIR /app
 # Only what the package build reads: metadata, the readme it names, and the package folders.
 COPY pyproject.toml README.md PROTOCOL.md __init__.py py.typed ./
+COPY cli ./cli
 COPY common ./common
 COPY producer ./producer
+COPY handlers ./handlers
 COPY gpu_worker ./gpu_worker
 COPY preproc_worker ./preproc_worker
 RUN pip install --no-cache-dir ".[worker]"

@@ -51,8 +51,8 @@ from harness import (
     tiny_jpegs,
     write_csv,
 )
+from redbatch.cli.redis_server import RedisServer
 from redbatch.common.config import DEFAULT_MAX_WAIT_MS, model_name_from_spec
-from redbatch.common.redis_server import RedisServer
 
 
 @dataclass(slots=True)

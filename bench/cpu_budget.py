@@ -49,8 +49,8 @@ from harness import (
     tiny_jpegs,
     write_csv,
 )
+from redbatch.cli.redis_server import RedisServer
 from redbatch.common.config import model_name_from_spec
-from redbatch.common.redis_server import RedisServer
 
 #: Threads whose CPU is the model's own work (forward pass, gather, postprocess).
 MODEL_THREAD = "redbatch-model"

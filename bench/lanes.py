@@ -29,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 import redis
-from redbatch.common import malloc_tuning
-from redbatch.common.local_stack import spawn_worker, stop_worker, wait_worker_ready
+from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
+from redbatch.cli.redis_server import RedisServer
 from redbatch.common.protocol import Keys, Lane
-from redbatch.common.redis_server import RedisServer
+from redbatch.gpu_worker import malloc_tuning
 from redbatch.producer.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -50,8 +50,8 @@ from harness import (
     where_time_went,
     write_csv,
 )
+from redbatch.cli.redis_server import RedisServer
 from redbatch.common.config import DEFAULT_MAX_INFLIGHT
-from redbatch.common.redis_server import RedisServer
 
 MODEL = "efficientnet_lite0"
 TARGET_LEVEL = 0.7

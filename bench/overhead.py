@@ -64,8 +64,8 @@ from harness import (
     verdict,
     write_csv,
 )
+from redbatch.cli.redis_server import RedisServer
 from redbatch.common.protocol import ResultEnvelope, Status
-from redbatch.common.redis_server import RedisServer
 from redbatch.producer.client import Client
 
 MODEL = "null"

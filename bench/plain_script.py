@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from redbatch.gpu_worker.efficientnet_lite import load_efficientnet_lite0
+from redbatch.handlers.efficientnet_lite import load_efficientnet_lite0
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import psutil
 from PIL import Image
-from redbatch.common import malloc_tuning
 from redbatch.common.config import LimitSettings, PoolSettings
+from redbatch.gpu_worker import malloc_tuning
 from redbatch.preproc_worker.pool import PreprocPool
 from redbatch.preproc_worker.shm import SlotArray
 

@@ -39,9 +39,9 @@ from types import FrameType
 import psutil
 import redis
 from PIL import Image, ImageDraw
-from redbatch.common.local_stack import spawn_worker, stop_worker, wait_worker_ready
+from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
+from redbatch.cli.redis_server import RedisServer
 from redbatch.common.protocol import Keys, Lane
-from redbatch.common.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
@@ -197,7 +197,7 @@ def run(folder: Path, n: int, window: int, samples: list[Sample]) -> dict[str, o
         r = redis.Redis.from_url(server.url)
         try:
             wait_worker_ready(server.url, keys, worker)
-            cmd = [sys.executable, "-m", "redbatch.common.cli", "score", str(folder), "-o",
+            cmd = [sys.executable, "-m", "redbatch.cli", "score", str(folder), "-o",
                    str(output), "--overwrite", "--redis", server.url, "--model", MODEL,
                    "--window", str(window)]
             # Gone before the scorer starts, so an older output is never counted as progress.

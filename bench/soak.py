@@ -14,7 +14,7 @@
    other children), and submitted/completed/failed/outstanding. Results of the jobs that
    completed since the last sample are checked with the shared audit while they are kept;
 5. stops submitting, waits (at most --drain-s) for every outcome, then runs the audit
-   (common/audit.py: every id has its result and it is ok, nothing pending, every key but
+   (tests/audit.py: every id has its result and it is ok, nothing pending, every key but
    the streams expires) over every id whose result is still kept.
 
 Prints a row per sample as it goes, then the table again, the least-squares slope per hour of
@@ -45,11 +45,14 @@ from types import FrameType
 import numpy as np
 import psutil
 import redis
-from redbatch.common.audit import audit, key_kind, outcome, read_results, result_problem
+
+# The invariant check of the fault tests (tests/audit.py) audits the soak's ids too.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from audit import audit, key_kind, outcome, read_results, result_problem
+from redbatch.cli.local_stack import count_consumers, spawn_worker, stop_worker
+from redbatch.cli.redis_server import RedisServer
 from redbatch.common.config import model_name_from_spec
-from redbatch.common.local_stack import count_consumers, spawn_worker, stop_worker
 from redbatch.common.protocol import GROUP, Keys, Lane, ProtocolError, ResultEnvelope
-from redbatch.common.redis_server import RedisServer
 from redbatch.producer.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent

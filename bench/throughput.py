@@ -19,7 +19,7 @@
            the eager model in batches of 16, default torch threads and glibc's default malloc
            (run without the worker's MALLOC_* variables).
 
-1-4 run under the same malloc settings (the worker's, see common/malloc_tuning.py): the
+1-4 run under the same malloc settings (the worker's, see gpu_worker/malloc_tuning.py): the
 script re-executes itself with them, so the comparison is of the pipeline, not of glibc.
 
 With --repeat N every variant runs N times, interleaved, and the medians (of the rates, and
@@ -58,10 +58,10 @@ from harness import (
     workload,
     write_csv,
 )
-from redbatch.common import malloc_tuning
+from redbatch.cli.redis_server import RedisServer
 from redbatch.common.config import LimitSettings
-from redbatch.common.redis_server import RedisServer
-from redbatch.gpu_worker.handlers import EfficientNetLite0
+from redbatch.gpu_worker import malloc_tuning
+from redbatch.handlers import EfficientNetLite0
 from redbatch.producer.client import Client
 
 HERE = Path(__file__).resolve().parent
@@ -83,8 +83,8 @@ def load_variant(variant: str) -> tuple[EfficientNetLite0, Callable[[torch.Tenso
     handler = EfficientNetLite0(LimitSettings())
     model = handler.load(torch.device("cpu"))
     try:
-        from redbatch.gpu_worker.calibrate import parse_variant
         from redbatch.gpu_worker.model import precision, prepare_model
+        from redbatch.gpu_worker.tuning.calibrate import parse_variant
 
         v = parse_variant(variant)
         prepared = prepare_model(model, v, torch.device("cpu"))

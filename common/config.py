@@ -1,6 +1,6 @@
 """One typed settings object for a worker, built once from CLI flags and REDBATCH_* variables.
 
-``common/cli.py`` builds :class:`Settings`; everything else receives it (or
+``cli/commands.py`` builds :class:`Settings`; everything else receives it (or
 one of its parts) as an argument. Child processes get a copy and make their
 own Redis connections from it.
 """
@@ -241,7 +241,7 @@ def model_name_from_spec(spec: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class TuneSettings:
-    """Where the calibration profile comes from (see gpu_worker/tuning.py)."""
+    """Where the calibration profile comes from (see gpu_worker/tuning/apply.py)."""
 
     #: auto: load the profile, or calibrate quickly and store one when there is none;
     #: load: load it if there is one; off: no profile.

@@ -13,7 +13,7 @@ Semantics follow Triton's dynamic batcher:
 * requests whose deadline has already passed are taken out by
   ``pop_expired`` and are never computed;
 * a batch may run padded up to a preferred size (measured faster by
-  calibration, see gpu_worker/profile.py) when that is expected to be no
+  calibration, see gpu_worker/tuning/profile.py) when that is expected to be no
   slower than its own size (``run_size``).
 
 The expected run times come from a LatencyEstimator seeded with the

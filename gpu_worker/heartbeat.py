@@ -26,7 +26,6 @@ from dataclasses import replace
 
 import redis
 from redbatch import __version__
-from redbatch.common.metrics import Health
 from redbatch.common.protocol import (
     HEARTBEAT_INTERVAL_S,
     WORKER_RECORD_TTL_MS,
@@ -35,6 +34,7 @@ from redbatch.common.protocol import (
     WorkerRecord,
 )
 from redbatch.common.redis_io import REFUSALS, error_code
+from redbatch.gpu_worker.metrics import Health
 
 logger = logging.getLogger(__name__)
 

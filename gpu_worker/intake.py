@@ -188,7 +188,7 @@ class Intake:
             list[Job], list[BadEntry]]:
         """Claim each request id for its entry; entries whose id another entry owns are
         dead-lettered unanswered, with their fields as read (``raw``, by entry id; see
-        NOTE [ Request id owners ] in protocol.py)."""
+        NOTE [ Request id owners ] in common/protocol/admission.py)."""
         claims: list[Job | BadEntry] = [*jobs, *(b for b in bad if b.request_id is not None)]
         if not claims:
             return jobs, bad

@@ -46,9 +46,7 @@ from typing import Any
 
 import redis
 from redbatch import __version__
-from redbatch.common import malloc_tuning
 from redbatch.common.config import Settings
-from redbatch.common.metrics import Health, MetricsServer, WorkerMetrics
 from redbatch.common.protocol import ErrorCode, Keys, Lane
 from redbatch.common.redis_io import (
     REDIS_ERRORS,
@@ -58,14 +56,16 @@ from redbatch.common.redis_io import (
     connect,
     error_code,
 )
+from redbatch.gpu_worker import malloc_tuning
 from redbatch.gpu_worker.batcher import Batcher, LanePolicy, LatencyEstimator
 from redbatch.gpu_worker.capacity import Capacity
-from redbatch.gpu_worker.handlers import Handler, load_handler
 from redbatch.gpu_worker.heartbeat import Heartbeat
 from redbatch.gpu_worker.intake import BadEntry, Intake, Job
+from redbatch.gpu_worker.metrics import Health, MetricsServer, WorkerMetrics
 from redbatch.gpu_worker.model import DeviceFailure, Outcome
 from redbatch.gpu_worker.results import Answer, ResultWriter
 from redbatch.gpu_worker.sampler import Sampler
+from redbatch.handlers.base import Handler, load_handler
 from redbatch.preproc_worker.pool import PreprocPool
 from redbatch.preproc_worker.shm import SlotAllocator, SlotArray
 from redbatch.preproc_worker.worker import PreprocDone
@@ -247,9 +247,9 @@ class Worker:
         self.pool.start(on_done=self._events.put)
 
     def _tune(self, handler: Handler) -> None:
-        """Threads, device, model and calibration profile (gpu_worker/tuning.py); the
+        """Threads, device, model and calibration profile (gpu_worker/tuning/apply.py); the
         batching pieces that depend on the max batch are rebuilt from the result."""
-        from redbatch.gpu_worker.tuning import tune
+        from redbatch.gpu_worker.tuning.apply import tune
 
         self.tuned = tune(self.settings, handler)
         for note in self.tuned.notes:
@@ -266,7 +266,7 @@ class Worker:
     def _load_model(self, handler: Handler) -> None:
         import torch
         from redbatch.gpu_worker.model import ModelRunner
-        from redbatch.gpu_worker.tuning import warmup_sizes
+        from redbatch.gpu_worker.tuning.apply import warmup_sizes
 
         s, tuned = self.settings, self.tuned
         assert self.slots is not None

@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 from redbatch.common.protocol import ErrorCode
-from redbatch.gpu_worker.handlers import Handler
-from redbatch.gpu_worker.profile import Variant
+from redbatch.gpu_worker.tuning.profile import Variant
+from redbatch.handlers.base import Handler
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ import threading
 from typing import Any
 
 import redis
-from redbatch.common.metrics import Health, WorkerMetrics
 from redbatch.common.protocol import GROUP, Keys, Lane
 from redbatch.common.redis_io import REDIS_ERRORS
+from redbatch.gpu_worker.metrics import Health, WorkerMetrics
 
 logger = logging.getLogger(__name__)
 

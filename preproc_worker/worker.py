@@ -18,9 +18,9 @@ from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
 from redbatch.common.config import LimitSettings
-from redbatch.common.malloc_tuning import HeapTrim
 from redbatch.common.protocol import ErrorCode
-from redbatch.preproc_worker.decode import InputError
+from redbatch.handlers.decode import InputError
+from redbatch.preproc_worker.heap import HeapTrim
 from redbatch.preproc_worker.shm import SlotArray, SlotLayout
 
 #: Seconds between checks that the parent is still alive.
@@ -104,7 +104,7 @@ def run_child(cfg: ChildConfig, tasks: Queue[PreprocTask | None], results: Queue
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(cfg.parent_pid,), daemon=True).start()
-    from redbatch.gpu_worker.handlers import load_handler
+    from redbatch.handlers.base import load_handler
 
     handler = load_handler(cfg.handler_spec, cfg.limits)
     heap = HeapTrim()  # its size now, with the handler loaded, is the one to come back to

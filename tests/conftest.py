@@ -12,10 +12,10 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
+from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
+from redbatch.cli.redis_server import RedisServer, RedisServerError, find_redis_server
 from redbatch.common.config import model_name_from_spec
-from redbatch.common.local_stack import spawn_worker, stop_worker, wait_worker_ready
 from redbatch.common.protocol import Keys
-from redbatch.common.redis_server import RedisServer, RedisServerError, find_redis_server
 from redbatch.producer.client import Client
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"

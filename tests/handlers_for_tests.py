@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 from redbatch.common.config import LimitSettings
-from redbatch.gpu_worker.handlers import EfficientNetLite0
+from redbatch.handlers import EfficientNetLite0
 
 CRASH = b"CRASH"  # the preprocessing process dies on this payload
 SLOW = b"SLOW"  # preprocessing sleeps a second first, then fails as a bad image

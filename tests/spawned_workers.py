@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from conftest import TEST_MODEL
-from redbatch.common.local_stack import spawn_worker, stop_worker, wait_worker_ready
+from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
 from redbatch.common.protocol import Keys
 
 Start = Callable[..., tuple[subprocess.Popen[bytes], Path]]

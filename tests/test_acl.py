@@ -22,10 +22,10 @@ import pytest
 import redis
 from click.testing import CliRunner
 from conftest import SAMPLES, TEST_MODEL
-from redbatch.common.acl import Role, build_user, server_version
-from redbatch.common.cli import main
+from redbatch.cli.acl_rules import Role, build_user, server_version
+from redbatch.cli.commands import main
+from redbatch.cli.redis_server import RedisServer
 from redbatch.common.protocol import ADMIT_SCRIPT, GROUP, Keys, Lane
-from redbatch.common.redis_server import RedisServer
 from redbatch.producer.client import Client
 from spawned_workers import spawned_workers
 
@@ -39,7 +39,7 @@ THEIRS = Keys(OTHER)
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
-    return subprocess.run([sys.executable, "-m", "redbatch.common.cli", *args],
+    return subprocess.run([sys.executable, "-m", "redbatch.cli", *args],
                           env={**base, **(env or {})}, capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, timeout=300)
 

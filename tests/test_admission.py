@@ -23,8 +23,8 @@ import redis
 from click.testing import CliRunner
 from conftest import SAMPLES, TEST_MODEL, WorkerFactory
 from PIL import Image
+from redbatch.cli.commands import main
 from redbatch.common import protocol as p
-from redbatch.common.cli import main
 from redbatch.common.protocol import (
     ADMIT_SCRIPT,
     BAD_CALL_REPLY,
@@ -242,7 +242,7 @@ def test_bulk_scorer_backs_off_and_completes_within_the_bound(
     env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "redbatch.common.cli", "score", str(tmp_path / "photos"),
+            [sys.executable, "-m", "redbatch.cli", "score", str(tmp_path / "photos"),
              "-o", str(out), "--redis", redis_url, "--model", "null", "--window", "64"],
             env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
     finally:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import redis
-from redbatch.common.audit import audit, key_kind
+from audit import audit, key_kind
 from redbatch.common.protocol import GROUP, ErrorCode, Keys, ResultEnvelope, Status
 
 TTL_MS = 60_000

@@ -12,7 +12,7 @@ import pytest
 import redis
 from conftest import SAMPLES, WorkerFactory
 from redbatch.common.protocol import Keys
-from redbatch.gpu_worker.calibrate import (
+from redbatch.gpu_worker.tuning.calibrate import (
     batch_sizes,
     between_sizes,
     candidate_variants,
@@ -21,7 +21,7 @@ from redbatch.gpu_worker.calibrate import (
     parse_variant,
     stop_reason,
 )
-from redbatch.gpu_worker.profile import MAX_OUTPUT_ERROR, Row, Variant, load_profile
+from redbatch.gpu_worker.tuning.profile import MAX_OUTPUT_ERROR, Row, Variant, load_profile
 from redbatch.producer.client import Client
 
 PROFILE_KEYS = {"schema", "model", "model_spec", "fingerprint", "device", "torch_version",
@@ -34,7 +34,7 @@ def calibrate(*args: str, env_dir: Path | None = None) -> subprocess.CompletedPr
         import os
 
         env = {**os.environ, "REDBATCH_PROFILE_DIR": str(env_dir)}
-    return subprocess.run([sys.executable, "-m", "redbatch.common.cli", "calibrate",
+    return subprocess.run([sys.executable, "-m", "redbatch.cli", "calibrate",
                            "--device", "cpu", *args], capture_output=True, text=True,
                           timeout=600, env=env)
 

@@ -18,7 +18,7 @@ from conftest import (
     redis_server_pids,
     shm_entries,
 )
-from redbatch.common.cli import build_settings, main, worker
+from redbatch.cli.commands import build_settings, main, worker
 
 CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat"}
 
@@ -89,7 +89,7 @@ def test_submit_without_redis_runs_a_private_stack_and_cleans_up(tmp_path: Path)
     mark = uuid.uuid4().hex
     env = marked_env(mark)
     servers_before = redis_server_pids()
-    proc = subprocess.run([sys.executable, "-m", "redbatch.common.cli", "submit", "--wait",
+    proc = subprocess.run([sys.executable, "-m", "redbatch.cli", "submit", "--wait",
                            str(SAMPLES)], env=env, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     lines = [json.loads(line) for line in proc.stdout.decode().splitlines()]
@@ -104,7 +104,7 @@ def test_submit_without_redis_runs_a_private_stack_and_cleans_up(tmp_path: Path)
 
 
 def test_worker_with_an_unknown_model_exits_with_a_message(redis_url: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "redbatch.common.cli", "worker", "--redis",
+    proc = subprocess.run([sys.executable, "-m", "redbatch.cli", "worker", "--redis",
                            redis_url, "--model", "no_such_model"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
@@ -113,7 +113,7 @@ def test_worker_with_an_unknown_model_exits_with_a_message(redis_url: str) -> No
 
 def test_without_redis_server_installed_the_command_says_how_to_get_one(tmp_path: Path) -> None:
     env = {**marked_env(uuid.uuid4().hex), "PATH": str(tmp_path)}  # no redis-server on it
-    proc = subprocess.run([sys.executable, "-m", "redbatch.common.cli", "score", str(SAMPLES),
+    proc = subprocess.run([sys.executable, "-m", "redbatch.cli", "score", str(SAMPLES),
                            "-o", str(tmp_path / "out.jsonl")], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 1
@@ -124,7 +124,7 @@ def test_without_redis_server_installed_the_command_says_how_to_get_one(tmp_path
 
 def test_a_bad_worker_name_is_one_line(redis_url: str) -> None:
     for option in ("--prefix", "--model-name"):
-        run = subprocess.run([sys.executable, "-m", "redbatch.common.cli", "worker", "--redis",
+        run = subprocess.run([sys.executable, "-m", "redbatch.cli", "worker", "--redis",
                               redis_url, option, "a b", "--metrics-port", "0"],
                              capture_output=True, text=True, timeout=120)
         assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
@@ -142,7 +142,7 @@ def test_a_refusal_from_redis_during_score_is_one_line(redis_url: str, r: object
                       commands=["+@all", "-eval", "-evalsha"])
     try:
         url = redis_url.replace("redis://", f"redis://{user}:pw@")
-        run = subprocess.run([sys.executable, "-m", "redbatch.common.cli", "score",
+        run = subprocess.run([sys.executable, "-m", "redbatch.cli", "score",
                               str(SAMPLES), "-o", str(tmp_path / "out.jsonl"), "--redis", url],
                              capture_output=True, text=True, timeout=120)
     finally:

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 from conftest import TEST_MODEL
+from redbatch.cli.redis_server import RedisServer
 from redbatch.common.protocol import ErrorCode, Keys, ResultEnvelope, Status
-from redbatch.common.redis_server import RedisServer
 from redbatch.producer.client import AsyncClient, Client, ResultTimeout, ResultUnreadable
 
 #: What a wait may overrun its timeout by on this (loaded, 2-core) machine: the client

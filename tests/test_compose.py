@@ -44,10 +44,10 @@ from deploy_files import (
     redbatch_services,
     service_env,
 )
+from redbatch.cli.local_stack import stop_worker, wait_worker_ready
 from redbatch.common.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_INFLIGHT, LimitSettings
-from redbatch.common.local_stack import stop_worker, wait_worker_ready
 from redbatch.common.protocol import Keys
-from redbatch.gpu_worker.handlers import load_handler
+from redbatch.handlers.base import load_handler
 from redbatch.producer.client import Client
 
 SHARED_SCHEMA = ROOT.parent / "shared" / "compose-spec" / "compose-spec.json"

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from PIL import Image
 from redbatch.common.config import LimitSettings
 from redbatch.common.protocol import ErrorCode
-from redbatch.preproc_worker.decode import (
+from redbatch.handlers.decode import (
     REFUSED_SIGNATURES,
     InputError,
     Signature,

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import redis
 from conftest import SAMPLES, WorkerFactory, shm_entries
-from redbatch.common.local_stack import stop_worker
+from redbatch.cli.local_stack import stop_worker
 from redbatch.common.protocol import GROUP, ErrorCode, JobEnvelope, Keys, Lane
 from redbatch.producer.client import AsyncClient, Client
 

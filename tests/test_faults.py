@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from audit import audit
 from conftest import SAMPLES, WorkerFactory
-from redbatch.common.audit import audit
 from redbatch.common.protocol import GROUP, ErrorCode, Keys, ResultEnvelope, Status
 from redbatch.producer.client import Client
 
@@ -89,7 +89,7 @@ def supervised(redis_url: str, tmp_path: Path) -> Iterator[list[subprocess.Popen
 
 
 def _killer_worker(redis_url: str, log: Path, *extra: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "redbatch.common.cli", "worker", "--redis", redis_url,
+    cmd = [sys.executable, "-m", "redbatch.cli", "worker", "--redis", redis_url,
            "--model", "handlers_for_tests:killer", "--model-name", "killer",
            "--reclaim-idle-ms", "1000", "--max-deliveries", "2", "--max-wait-ms", "20",
            "--metrics-port", "0", *extra]
@@ -140,7 +140,7 @@ def test_entry_without_request_id_goes_to_the_dlq_and_dlq_commands_work(
     deadline = time.monotonic() + 30
     while not r.exists(keys.dlq()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    cli = [sys.executable, "-m", "redbatch.common.cli", "dlq"]
+    cli = [sys.executable, "-m", "redbatch.cli", "dlq"]
     listed = subprocess.run([*cli, "list", "--redis", redis_url], capture_output=True,
                             text=True, timeout=60, check=True)
     rows = [json.loads(line) for line in listed.stdout.splitlines()]
@@ -163,7 +163,7 @@ def test_dlq_retry_requeues_and_the_client_gets_the_new_result(
     r.set(keys.result("retry-me"),
           ResultEnvelope.error("retry-me", ErrorCode.DEAD_LETTERED, "test").encode(), px=60000)
     start_worker()
-    retry = [sys.executable, "-m", "redbatch.common.cli", "dlq", "retry", "--all", "--redis",
+    retry = [sys.executable, "-m", "redbatch.cli", "dlq", "retry", "--all", "--redis",
              redis_url]
     r.hset(keys.limits(), "interactive", 0)  # a replay respects the lane's bound too
     refused = subprocess.run(retry, capture_output=True, text=True, timeout=60)
@@ -246,8 +246,8 @@ def test_a_killed_preprocessing_process_loses_no_job(redis_url: str, r: redis.Re
 
 
 def test_redis_restart_with_aof_loses_nothing(tmp_path: Path, keys: Keys) -> None:
-    from redbatch.common.local_stack import spawn_worker, stop_worker, wait_worker_ready
-    from redbatch.common.redis_server import RedisServer
+    from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
+    from redbatch.cli.redis_server import RedisServer
 
     with RedisServer(appendonly=True) as server:
         with open(tmp_path / "worker.log", "wb") as log:
@@ -403,8 +403,8 @@ def test_departed_consumers_are_removed_only_when_they_hold_nothing(
 
 
 def test_a_scoring_run_rides_out_a_redis_restart(tmp_path: Path, keys: Keys) -> None:
-    from redbatch.common.local_stack import spawn_worker, stop_worker, wait_worker_ready
-    from redbatch.common.redis_server import RedisServer
+    from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
+    from redbatch.cli.redis_server import RedisServer
 
     photos = tmp_path / "photos"
     photos.mkdir()
@@ -418,7 +418,7 @@ def test_a_scoring_run_rides_out_a_redis_restart(tmp_path: Path, keys: Keys) -> 
         try:
             wait_worker_ready(server.url, keys, worker)
             scorer = subprocess.Popen(
-                [sys.executable, "-m", "redbatch.common.cli", "score", str(photos), "-o",
+                [sys.executable, "-m", "redbatch.cli", "score", str(photos), "-o",
                  str(out), "--redis", server.url, "--window", "16"],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + 120

@@ -13,7 +13,7 @@ import zlib
 import psutil
 import pytest
 from conftest import SAMPLES, WorkerFactory
-from redbatch.common import malloc_tuning
+from redbatch.gpu_worker import malloc_tuning
 from redbatch.producer.client import Client
 
 # Batch 16 of the default model in a thread that is not the main one, as the worker's model
@@ -21,7 +21,7 @@ from redbatch.producer.client import Client
 # fewest: the kernel may reclaim idle pages now and then, which faults whatever malloc does).
 FORWARD_IN_A_THREAD = """
 import resource, threading, torch
-from redbatch.gpu_worker.efficientnet_lite import load_efficientnet_lite0
+from redbatch.handlers.efficientnet_lite import load_efficientnet_lite0
 torch.set_num_threads(1)
 model, x, faults = load_efficientnet_lite0(), torch.zeros(16, 3, 224, 224), []
 def forward():

@@ -13,14 +13,14 @@ import pytest
 import redis
 from conftest import SAMPLES, WorkerFactory
 from prometheus_client.parser import text_string_to_metric_families
-from redbatch.common.metrics import Health, MetricsServer, WorkerMetrics
 from redbatch.common.protocol import ErrorCode, Keys, Lane
+from redbatch.gpu_worker.metrics import Health, MetricsServer, WorkerMetrics
 from redbatch.gpu_worker.sampler import group_state
 from redbatch.producer.client import Client
 
 PHOTOS = [(SAMPLES / name).read_bytes() for name in ("cat.jpg", "coffee.jpg", "rocket.jpg")]
 
-#: The contract (common/metrics.py): sample name -> its labels besides ``model``.
+#: The contract (gpu_worker/metrics.py): sample name -> its labels besides ``model``.
 CONTRACT = {
     "redbatch_requests_total": {"lane", "outcome"},
     "redbatch_executions_total": set(),

@@ -8,9 +8,9 @@ import urllib.request
 
 import psutil
 from conftest import WorkerFactory
-from redbatch.common.cli import worker
+from redbatch.cli.commands import worker
+from redbatch.cli.redis_server import free_port
 from redbatch.common.config import Settings
-from redbatch.common.redis_server import free_port
 
 
 def test_the_default_is_loopback_and_has_one_home() -> None:

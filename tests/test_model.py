@@ -13,12 +13,13 @@ import torch
 from conftest import SAMPLES
 from PIL import Image
 from redbatch.common.config import LimitSettings
-from redbatch.gpu_worker.calibrate import cxx_compiler_found
-from redbatch.gpu_worker.efficientnet_lite import load_efficientnet_lite0
-from redbatch.gpu_worker.handlers import EfficientNetLite0, Handler, imagenet_labels
 from redbatch.gpu_worker.model import ModelRunner, next_batch_limit, resolve_device
-from redbatch.gpu_worker.profile import Variant
-from redbatch.preproc_worker.decode import normalise_into, open_image, resize_center_crop
+from redbatch.gpu_worker.tuning.calibrate import cxx_compiler_found
+from redbatch.gpu_worker.tuning.profile import Variant
+from redbatch.handlers.base import Handler
+from redbatch.handlers.decode import normalise_into, open_image, resize_center_crop
+from redbatch.handlers.efficientnet_lite import load_efficientnet_lite0
+from redbatch.handlers.imagenet import EfficientNetLite0, imagenet_labels
 from redbatch.preproc_worker.shm import SlotArray
 
 CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat"}

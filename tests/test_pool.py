@@ -16,7 +16,7 @@ from conftest import SAMPLES, shm_entries
 from handlers_for_tests import CRASH, SLOW
 from redbatch.common.config import LimitSettings, PoolSettings
 from redbatch.common.protocol import ErrorCode
-from redbatch.gpu_worker.handlers import EfficientNetLite0
+from redbatch.handlers import EfficientNetLite0
 from redbatch.preproc_worker.pool import PreprocPool
 from redbatch.preproc_worker.shm import SlotAllocator, SlotArray
 from redbatch.preproc_worker.worker import PreprocDone

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from redbatch.gpu_worker.profile import (
+from redbatch.gpu_worker.tuning.profile import (
     Choice,
     DeviceInfo,
     Measured,

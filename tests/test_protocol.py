@@ -21,7 +21,7 @@ from redbatch.common.protocol import (
     ResultEnvelope,
     Status,
 )
-from redbatch.preproc_worker.decode import ALLOWED_FORMATS, REFUSED_SIGNATURES
+from redbatch.handlers.decode import ALLOWED_FORMATS, REFUSED_SIGNATURES
 
 DOC = (Path(__file__).resolve().parent.parent / "PROTOCOL.md").read_text()
 MAX = 1024 * 1024

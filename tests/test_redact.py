@@ -21,11 +21,11 @@ from click.testing import CliRunner
 from conftest import SAMPLES, TEST_MODEL
 from hypothesis import given
 from hypothesis import strategies as st
-from redbatch.common.cli import main
+from redbatch.cli.commands import main
+from redbatch.cli.local_stack import count_consumers
+from redbatch.cli.redis_server import RedisServer
 from redbatch.common.config import RedisSettings, check_redis_url, redact_url
-from redbatch.common.local_stack import count_consumers
 from redbatch.common.protocol import Keys
-from redbatch.common.redis_server import RedisServer
 from redbatch.producer.client import Client
 from redis.connection import parse_url
 from spawned_workers import spawned_workers
@@ -158,7 +158,7 @@ def test_a_worker_never_logs_the_password(tmp_path: Path) -> None:
             with Client(raw_query) as client:
                 results = [client.predict(photo, timeout_s=120) for _ in range(4)]
             assert all(r.ok for r in results), results
-        bad = subprocess.run([sys.executable, "-m", "redbatch.common.cli", "worker", "--redis",
+        bad = subprocess.run([sys.executable, "-m", "redbatch.cli", "worker", "--redis",
                               f"redis://:{SECRET}@127.0.0.1:{server.port}/0"],
                              capture_output=True, text=True, timeout=60)
     for log in (log1, log2):

@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 import redis
+from audit import read_results
 from conftest import SAMPLES, TEST_MODEL, WorkerFactory
-from redbatch.common.audit import read_results
-from redbatch.common.local_stack import spawn_worker, stop_worker, wait_worker_ready
+from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
+from redbatch.cli.redis_server import RedisServer, free_port
 from redbatch.common.protocol import GROUP, JobEnvelope, Keys, Lane
-from redbatch.common.redis_server import RedisServer, free_port
 from redbatch.producer.client import Client
 from test_faults import FAST_RECLAIM, TESTS, check_invariant
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import psutil
 import pytest
 import redis
-from redbatch.common import redis_server
-from redbatch.common.redis_server import PortTaken, RedisServer, RedisServerError
+from redbatch.cli import redis_server
+from redbatch.cli.redis_server import PortTaken, RedisServer, RedisServerError
 
 
 def own_pid(url: str) -> int:

@@ -1,6 +1,6 @@
 """``redbatch score``: bulk scoring of files, folders and manifests into one output file.
 
-Every test runs the command as a real subprocess (``python -m redbatch.common.cli
+Every test runs the command as a real subprocess (``python -m redbatch.cli
 score ...``) with the ``REDBATCH_*`` variables of the calling environment
 removed. The built-in ``null`` model (mean colour of a thumbnail) keeps the
 large runs cheap; only the embedded-mode test uses the real default model.
@@ -46,7 +46,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _score_cmd(*args: str | Path) -> list[str]:
-    return [sys.executable, "-m", "redbatch.common.cli", "score", *map(str, args)]
+    return [sys.executable, "-m", "redbatch.cli", "score", *map(str, args)]
 
 
 def _run_score(*args: str | Path, timeout_s: float = 120,
@@ -203,7 +203,7 @@ def _assert_embedded_stack_cleaned_up(run: Tracked, mark: str, private_tmp: Path
     make this pass or fail."""
     kinds = " | ".join(cmd for _, cmd in run.seen.values())
     assert "redis-server" in kinds, f"no private redis-server was seen: {kinds}"
-    assert "redbatch.common.cli worker" in kinds, f"no local worker was seen: {kinds}"
+    assert "redbatch.cli worker" in kinds, f"no local worker was seen: {kinds}"
     assert any(name.startswith(f"{SHM_PREFIX}-") for name in run.shm), \
         f"the worker's shared memory was not seen: {run.shm}"
     deadline = time.monotonic() + 10

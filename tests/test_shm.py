@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import redis
 from conftest import SAMPLES, SHM_PREFIX, WorkerFactory
+from redbatch.cli.local_stack import stop_worker
 from redbatch.common.config import LimitSettings, PoolSettings
-from redbatch.common.local_stack import stop_worker
 from redbatch.common.protocol import GROUP, Keys, Lane
 from redbatch.preproc_worker.pool import PreprocPool
 from redbatch.preproc_worker.shm import SHM_DIR, SlotArray, segment_name, sweep_orphans
@@ -190,7 +190,7 @@ def test_a_worker_group_killed_leaves_shm_that_the_next_worker_reclaims_at_start
 
 
 def test_a_bad_prefix_is_one_line_not_a_traceback() -> None:
-    proc = subprocess.run([sys.executable, "-m", "redbatch.common.cli", "worker", "--redis",
+    proc = subprocess.run([sys.executable, "-m", "redbatch.cli", "worker", "--redis",
                            "redis://127.0.0.1:1/0", "--model", "null", "--metrics-port", "0",
                            "--calibrate", "off", "--shm-prefix", "../x"],
                           capture_output=True, text=True, timeout=120)

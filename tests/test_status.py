@@ -17,18 +17,18 @@ import pytest
 import redis
 from click.testing import CliRunner
 from conftest import SAMPLES, WorkerFactory
+from redbatch.cli.commands import main
+from redbatch.cli.fleet_state import FleetStatus, ModelStatus, _window, gather
+from redbatch.cli.fleet_view import HOME, LANE_COLUMNS, WORKER_COLUMNS, render
+from redbatch.cli.local_stack import stop_worker
 from redbatch.common import protocol as p
-from redbatch.common.cli import main
-from redbatch.common.local_stack import stop_worker
 from redbatch.common.protocol import Keys, Lane, RecentResult, WorkerRecord
-from redbatch.common.status import FleetStatus, ModelStatus, _window, gather
-from redbatch.common.status_view import HOME, LANE_COLUMNS, WORKER_COLUMNS, render
 from redbatch.gpu_worker.heartbeat import Heartbeat
 from redbatch.producer.client import Client
 
 PHOTOS = [path.read_bytes() for path in sorted(SAMPLES.glob("*.jpg"))]
 DOC = (Path(__file__).resolve().parent.parent / "PROTOCOL.md").read_text()
-CLI = [sys.executable, "-m", "redbatch.common.cli"]
+CLI = [sys.executable, "-m", "redbatch.cli"]
 
 
 def cli(redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:

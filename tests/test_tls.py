@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 from conftest import SAMPLES, TEST_MODEL
-from redbatch.common.redis_server import RedisServer, TlsFiles
+from redbatch.cli.redis_server import RedisServer, TlsFiles
 from redbatch.producer.client import Client
 from spawned_workers import spawned_workers
 
@@ -65,7 +65,7 @@ def server(pki: TlsFiles) -> Iterator[RedisServer]:
 
 def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
-    return subprocess.run([sys.executable, "-m", "redbatch.common.cli", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "redbatch.cli", *map(str, args)],
                           env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL,
                           timeout=300)
 

@@ -6,7 +6,13 @@ import dataclasses
 from pathlib import Path
 
 from redbatch.common.config import BatchSettings, ModelSettings, Settings, TuneSettings
-from redbatch.gpu_worker.profile import (
+from redbatch.gpu_worker.tuning.apply import (
+    apply_profile,
+    find_profile,
+    warmup_sizes,
+    worth_measuring_again,
+)
+from redbatch.gpu_worker.tuning.profile import (
     Choice,
     DeviceInfo,
     Measured,
@@ -14,12 +20,6 @@ from redbatch.gpu_worker.profile import (
     Row,
     Variant,
     save_profile,
-)
-from redbatch.gpu_worker.tuning import (
-    apply_profile,
-    find_profile,
-    warmup_sizes,
-    worth_measuring_again,
 )
 
 CL = Variant(channels_last=True)

@@ -12,8 +12,8 @@ from conftest import SAMPLES, WorkerFactory
 from handlers_for_tests import CRASH
 from redbatch.common.config import LimitSettings
 from redbatch.common.protocol import ErrorCode, Keys
-from redbatch.gpu_worker.efficientnet_lite import load_efficientnet_lite0
-from redbatch.gpu_worker.handlers import TorchScriptClassifier, load_handler
+from redbatch.handlers import TorchScriptClassifier, load_handler
+from redbatch.handlers.efficientnet_lite import load_efficientnet_lite0
 from redbatch.producer.client import Client
 
 TESTS = str(Path(__file__).resolve().parent)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 
-from redbatch.common.redis_server import RedisServer
+from redbatch.cli.redis_server import RedisServer
 
 from .load import Caller
 from .model import THREADS_ENV

@@ -5,7 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 
-from redbatch.common.redis_server import free_port
+from redbatch.cli.redis_server import free_port
 
 from .load import Caller
 from .procs import BENCH, ServerProcess, bench_env, python_cmd

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from redbatch.common.local_stack import spawn_worker, stop_worker, wait_worker_ready
+from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
+from redbatch.cli.redis_server import RedisServer
 from redbatch.common.protocol import Keys
-from redbatch.common.redis_server import RedisServer
 from redbatch.producer.client import Client
 
 from .load import Caller

@@ -7,7 +7,7 @@ import warnings
 from typing import Any
 
 import numpy as np
-from redbatch.common.redis_server import free_port
+from redbatch.cli.redis_server import free_port
 
 from . import pytriton_env
 from .load import Caller

@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from redbatch.common.config import Settings, model_name_from_spec
-from redbatch.gpu_worker.handlers import Handler
-from redbatch.gpu_worker.profile import (
+from redbatch.gpu_worker.tuning.profile import (
     Profile,
     Variant,
     default_profile_dir,
@@ -28,6 +27,7 @@ from redbatch.gpu_worker.profile import (
     profile_path,
     save_profile,
 )
+from redbatch.handlers.base import Handler
 
 if TYPE_CHECKING:
     import torch
@@ -139,7 +139,7 @@ def worth_measuring_again(profile: Profile, settings: Settings) -> str:
     by an explicit --max-batch-size and chose its cap while this worker has no such cap,
     says little. Profiles from ``redbatch calibrate`` are never second-guessed.
     """
-    from redbatch.gpu_worker.calibrate import CONTENDED_SHARE
+    from redbatch.gpu_worker.tuning.calibrate import CONTENDED_SHARE
 
     measured = profile.settings
     if not measured.get("quick"):
@@ -176,7 +176,7 @@ def tune(settings: Settings, handler: Handler) -> Tuned:
 def _with_profile(settings: Settings, handler: Handler,
                   model: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
                   lanes: int) -> Tuned:
-    from redbatch.gpu_worker.calibrate import (
+    from redbatch.gpu_worker.tuning.calibrate import (
         CONTENDED_SHARE,
         CalibrationSettings,
         calibrate,

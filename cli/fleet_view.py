@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import TextIO
 
-from redbatch.common.status import FleetStatus, ModelStatus, WorkerStatus
+from redbatch.cli.fleet_state import FleetStatus, ModelStatus, WorkerStatus
 
 LANE_COLUMNS = ("MODEL", "LANE", "LENGTH", "PENDING", "LAG", "DLQ", "WORKERS", "LAST_BEAT",
                 "RESULTS/S", "P50_MS", "P99_MS", "ERRORS")

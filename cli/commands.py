@@ -207,9 +207,9 @@ def _explicit(ctx: click.Context) -> frozenset[str]:
 @_tuning_options
 def worker(**options: Any) -> None:
     """Serve a model: read jobs, batch them, write results."""
-    from redbatch.common.malloc_tuning import reexec_with_malloc_tuning
+    from redbatch.gpu_worker.malloc_tuning import reexec_with_malloc_tuning
 
-    reexec_with_malloc_tuning("redbatch.common.cli")
+    reexec_with_malloc_tuning("redbatch.cli")
     setup_logging(options["log_level"])
     options["explicit"] = _explicit(click.get_current_context())
     try:
@@ -330,18 +330,18 @@ def calibrate(**options: Any) -> None:
     batch size reaching 95% of the peak throughput within the latency budget and the
     fastest variant, and prints the table and the choice.
     """
-    from redbatch.common.malloc_tuning import reexec_with_malloc_tuning
+    from redbatch.gpu_worker.malloc_tuning import reexec_with_malloc_tuning
 
-    reexec_with_malloc_tuning("redbatch.common.cli")  # measure under the worker's malloc
+    reexec_with_malloc_tuning("redbatch.cli")  # measure under the worker's malloc
     setup_logging(options.pop("log_level"))
     import dataclasses
 
-    from redbatch.gpu_worker.calibrate import (
+    from redbatch.gpu_worker.model import choose_torch_threads, cpu_lanes
+    from redbatch.gpu_worker.tuning.calibrate import (
         CalibrationSettings,
         calibrate_to_file,
         format_table,
     )
-    from redbatch.gpu_worker.model import choose_torch_threads, cpu_lanes
 
     o = options
     settings = CalibrationSettings(
@@ -375,8 +375,8 @@ def _redis_for(options: dict[str, Any]) -> Iterator[str]:
     if options["redis_url"]:
         yield options["redis_url"]
         return
-    from redbatch.common.local_stack import LocalStack
-    from redbatch.common.redis_server import RedisServerError
+    from redbatch.cli.local_stack import LocalStack
+    from redbatch.cli.redis_server import RedisServerError
 
     name = options["model_name"] or model_name_from_spec(options["model_spec"])
     try:
@@ -483,7 +483,7 @@ def _remove_if_empty(output: str, fmt: str, existed: bool) -> None:
 
 def _score(inputs: tuple[str, ...], output: str, fmt: str, resume: bool,
            settings: Any, options: dict[str, Any]) -> bool:
-    from redbatch.common.local_stack import count_consumers
+    from redbatch.cli.local_stack import count_consumers
     from redbatch.producer.bulk import BulkScorer
     from redbatch.producer.client import Client
     from redbatch.producer.inputs import count_items, iter_items
@@ -666,8 +666,8 @@ def status(as_json: bool, **options: Any) -> None:
     """Print queues, workers and recent results of each model and lane, once."""
     import json
 
-    from redbatch.common.status import gather
-    from redbatch.common.status_view import render
+    from redbatch.cli.fleet_state import gather
+    from redbatch.cli.fleet_view import render
 
     r = _status_redis("status", options)
     try:
@@ -683,7 +683,7 @@ def status(as_json: bool, **options: Any) -> None:
       help="Seconds between redraws.")
 def top(interval: float, **options: Any) -> None:
     """Show `redbatch status` live, redrawn every --interval seconds; Ctrl-C quits."""
-    from redbatch.common.status_view import run_top
+    from redbatch.cli.fleet_view import run_top
 
     r = _status_redis("top", options)
     with _signals_raise():  # SIGTERM too leaves the terminal as it was
@@ -694,8 +694,8 @@ def _top_frames(r: redis.Redis, prefix: str, models: tuple[str, ...]) -> Callabl
     """One frame per call; models are looked up (a SCAN) every 10 s, not every frame."""
     import time
 
-    from redbatch.common.status import discover_models, gather
-    from redbatch.common.status_view import render
+    from redbatch.cli.fleet_state import discover_models, gather
+    from redbatch.cli.fleet_view import render
 
     found: list[str] = []
     found_at = float("-inf")
@@ -754,7 +754,7 @@ def acl(models: tuple[str, ...], prefix: str, roles: tuple[str, ...], fmt: str, 
     """
     import secrets
 
-    from redbatch.common import acl as rules
+    from redbatch.cli import acl_rules as rules
     from redbatch.common.protocol import Keys
 
     if apply_ and not redis_url:
@@ -808,6 +808,3 @@ def _acl_note(user: Any, models: tuple[str, ...], url: str, applied: bool) -> st
         return f"applied {what}: connect with {url}{hint}"
     return f"# {what}: connect with {url}{hint or ' (a generated password, shown once)'}"
 
-
-if __name__ == "__main__":
-    main()

@@ -27,9 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from redbatch.common.config import LimitSettings, model_name_from_spec
-from redbatch.gpu_worker.handlers import Handler, load_handler
 from redbatch.gpu_worker.model import DEFAULT_MEMORY_WATERMARK, ModelRunner, resolve_device
-from redbatch.gpu_worker.profile import (
+from redbatch.gpu_worker.tuning.profile import (
     MAX_OUTPUT_ERROR,
     DeviceInfo,
     Measured,
@@ -41,6 +40,7 @@ from redbatch.gpu_worker.profile import (
     profile_path,
     save_profile,
 )
+from redbatch.handlers.base import Handler, load_handler
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from types import TracebackType
 
 import redis
+from redbatch.cli.redis_server import RedisServer
 from redbatch.common.protocol import GROUP, Keys, Lane
-from redbatch.common.redis_server import RedisServer
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def spawn_worker(redis_url: str, args: list[str], env: Mapping[str, str] | None 
     The URL goes in REDBATCH_REDIS_URL, not on the command line, which any user of the
     machine can read (ps) and which would show the password it may hold.
     """
-    cmd = [sys.executable, "-m", "redbatch.common.cli", "worker", *args]
+    cmd = [sys.executable, "-m", "redbatch.cli", "worker", *args]
     full_env = {**os.environ, **(env or {}), "REDBATCH_REDIS_URL": redis_url}
     # Its own session, so a terminal's Ctrl-C reaches only us and we stop it in order.
     proc: subprocess.Popen[bytes] = subprocess.Popen(  # type: ignore[call-overload]

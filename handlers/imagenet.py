@@ -1,58 +1,25 @@
-"""Model handlers: the preprocess / model / postprocess seams, and how ``--model`` picks one.
+"""The built-in image handlers: ImageNet classifiers (EfficientNet-Lite0, TorchScript files)
+and the null model.
 
-A handler is used in two places: pool processes call ``preprocess`` (so this
-module must not import torch at import time), and the worker calls ``load``
-once and ``postprocess`` after each batch.
-
-``--model`` accepts:
-
-* a built-in name: ``efficientnet_lite0`` (the default);
-* a TorchScript file ``path/to/model.pt`` taking N x 3 x 224 x 224 float
-  images (ImageNet mean/std) and returning N x classes logits;
-* a factory ``package.module:callable`` taking a ``LimitSettings`` and
-  returning an object with the :class:`Handler` attributes. The factory is
-  named by the operator on the command line, never by a job.
+Imported by pool processes for ``preprocess``, so nothing here imports torch at import time.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from importlib import resources
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from redbatch.common.config import LimitSettings
-from redbatch.preproc_worker.decode import normalise_into, open_image, resize_center_crop
+from redbatch.handlers.decode import normalise_into, open_image, resize_center_crop
 
 if TYPE_CHECKING:
     import torch
 
 TOP_K = 5
-
-
-class Handler(Protocol):
-    """What a served model provides.
-
-    ``preprocess`` writes one input into ``out`` (shape ``input_shape``, dtype
-    ``input_dtype``) and raises ``InputError`` for unusable payloads.
-    ``load`` returns a callable from a batch tensor to an output tensor.
-    ``postprocess`` turns the batch output into one msgpack-able value per request.
-    """
-
-    input_shape: tuple[int, ...]
-    input_dtype: str
-
-    def preprocess(self, payload: bytes, content_type: str, params: Mapping[str, Any],
-                   out: np.ndarray) -> None: ...
-
-    def load(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]: ...
-
-    def postprocess(self, outputs: torch.Tensor,
-                    params: Sequence[Mapping[str, Any]]) -> list[Any]: ...
 
 
 @cache
@@ -112,7 +79,7 @@ class EfficientNetLite0(ImageClassifier):
         super().__init__(limits, resize_to=256, crop=224, mean=127.0, std=128.0)
 
     def load(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-        from redbatch.gpu_worker.efficientnet_lite import load_efficientnet_lite0
+        from redbatch.handlers.efficientnet_lite import load_efficientnet_lite0
 
         return load_efficientnet_lite0().to(device)
 
@@ -160,25 +127,3 @@ class NullModel:
     def postprocess(self, outputs: torch.Tensor,
                     params: Sequence[Mapping[str, Any]]) -> list[Any]:
         return [{"mean_rgb": [round(v, 4) for v in row]} for row in outputs.tolist()]
-
-
-BUILTIN: dict[str, Callable[[LimitSettings], Handler]] = {
-    "efficientnet_lite0": EfficientNetLite0,
-    "null": NullModel,
-}
-
-
-def load_handler(spec: str, limits: LimitSettings) -> Handler:
-    """Build the handler that ``spec`` names; raises ValueError with the accepted forms."""
-    if spec in BUILTIN:
-        return BUILTIN[spec](limits)
-    if spec.endswith((".pt", ".pth", ".ts")):
-        if not Path(spec).is_file():
-            raise ValueError(f"TorchScript file {spec!r} does not exist")
-        return TorchScriptClassifier(spec, limits)
-    if ":" in spec:
-        module_name, _, attr = spec.partition(":")
-        factory = getattr(importlib.import_module(module_name), attr)
-        return factory(limits)  # type: ignore[no-any-return]
-    raise ValueError(f"unknown model {spec!r}: use one of {sorted(BUILTIN)}, a TorchScript "
-                     "file (*.pt) or a factory 'package.module:callable'")

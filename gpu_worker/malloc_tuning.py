@@ -20,16 +20,14 @@ The preprocessing pool's processes inherit these variables (multiprocessing's
 spawn passes the worker's environment, and changing os.environ while the
 worker's threads run would race with their getenv), so glibc never gives their
 freed heap back either: one 8000x8000 RGBA PNG, within the pixel limit, would
-keep a pool process at 1.2 GiB for good. :class:`HeapTrim` bounds them instead.
+keep a pool process at 1.2 GiB for good. preproc_worker/heap.py bounds them.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import sys
-from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +39,6 @@ MALLOC_ENV = {
 }
 #: Set to 0 to keep the process's malloc settings as they are.
 OPT_OUT = "REDBATCH_MALLOC_TUNING"
-#: A pool process whose anonymous memory grew past its size at start by more than this,
-#: bytes, gives its free heap back to the OS after the task (see HeapTrim).
-TRIM_GROWTH_BYTES = 128 * 1024**2
 
 
 def wanted() -> bool:
@@ -68,54 +63,3 @@ def describe() -> str:
         return ("glibc malloc keeps freed memory in one arena (MALLOC_*): no page faults "
                 "per batch")
     return "glibc malloc defaults: large batches on CPU pay page faults"
-
-
-class HeapTrim:
-    """Returns a pool process's free heap to the OS after a task that left it much bigger.
-
-    After each task, :meth:`after_task` reads the process's anonymous resident memory (a
-    read of /proc/self/statm) and calls glibc's ``malloc_trim(0)``, which gives back every
-    free page of the heap, when it exceeds the size at construction by ``growth_bytes``.
-    Ordinary inputs never get there and keep MALLOC_ENV's reuse of freed memory, without
-    page faults (restoring glibc's default thresholds instead cost the sample photos about
-    40% more decode time). Slot pages of the shared segment are not counted: they are
-    file-backed. A no-op off glibc, or where /proc/self/statm cannot be read.
-    """
-
-    def __init__(self, growth_bytes: int = TRIM_GROWTH_BYTES) -> None:
-        self._trim = _malloc_trim()
-        start = _anon_rss_bytes() if self._trim is not None else None
-        self._limit = None if start is None else start + growth_bytes
-
-    def after_task(self) -> bool:
-        """Trim the heap if the process grew past its bound; True if it did."""
-        if self._trim is None or self._limit is None:
-            return False
-        rss = _anon_rss_bytes()
-        if rss is None or rss <= self._limit:
-            return False
-        self._trim(0)
-        return True
-
-
-def _malloc_trim() -> Callable[[int], object] | None:
-    """glibc's malloc_trim, or None elsewhere (musl, macOS, Windows)."""
-    try:
-        if not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION"):
-            return None
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, ValueError, AttributeError):
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
-
-
-def _anon_rss_bytes() -> int | None:
-    """Resident memory that is neither file nor shared memory (statm's resident - shared)."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            fields = f.read().split()
-        return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None

@@ -1,0 +1,377 @@
+"""The job and result envelopes (PROTOCOL.md "Job envelope", "Result envelope", "Limits"):
+msgpack maps with string keys, their limits, and the stable error codes.
+
+``decode`` functions validate types and sizes and raise :class:`ProtocolError` carrying a
+stable :class:`ErrorCode`; they never evaluate, import or unpickle anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import msgpack
+from redbatch.common.protocol.keys import (
+    FIELD_JOB,
+    FIELD_REQUEST_ID,
+    Lane,
+    valid_request_id,
+    validate_name,
+)
+
+PROTOCOL_VERSION = 1
+"""Version written into every envelope; workers reject versions they don't know."""
+
+# Limits on what a worker parses (PROTOCOL.md "Limits" lists each; a test compares them).
+MAX_ENVELOPE_OVERHEAD_BYTES = 64 * 1024
+"""A ``job`` field may be this many bytes longer than the payload limit (the envelope's
+other fields); a longer one is answered ``payload_too_large`` unread."""
+MAX_PARAMS = 32
+"""Entries of an envelope's ``params`` map."""
+MAX_CONTENT_TYPE_BYTES = 4096
+"""Longest ``content_type``, UTF-8 bytes; a longer one is ``bad_envelope``."""
+MAX_STR_BYTES = 64 * 1024
+"""Longest msgpack str anywhere in an envelope, UTF-8 bytes."""
+MAX_ARRAY_LEN = 4096
+"""Most items of any msgpack array in an envelope."""
+MAX_MAP_LEN = 256
+"""Most entries of any msgpack map in an envelope."""
+MAX_DEPTH = 1024
+"""Deepest nesting of msgpack arrays and maps: the msgpack extension's own fixed stack,
+which it enforces with an empty StackError (stated here so the page can name it)."""
+MAX_RESULT_BYTES = 64 * 1024 * 1024
+"""Largest result envelope the Python client decodes."""
+
+class Status(str, Enum):
+    OK = "ok"
+    ERROR = "error"
+
+
+class ErrorCode(str, Enum):
+    """Stable error codes written into error results (see PROTOCOL.md)."""
+
+    BAD_ENVELOPE = "bad_envelope"
+    """The job body is not a msgpack map of the documented shape."""
+    UNSUPPORTED_VERSION = "unsupported_version"
+    BAD_REQUEST_ID = "bad_request_id"
+    WRONG_MODEL = "wrong_model"
+    """The envelope names another model than the stream it was put on."""
+    WRONG_LANE = "wrong_lane"
+    """The envelope's ``lane`` is not the lane of the stream it was put on (a bulk job
+    labelled interactive would be scheduled ahead of the interactive queue)."""
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    BAD_IMAGE = "bad_image"
+    """Not an image, truncated, or corrupt."""
+    UNSUPPORTED_FORMAT = "unsupported_format"
+    """A recognised format that is not accepted (handlers/decode.py lists them by
+    signature), or an accepted one in a variant with no decoder (a TIFF compression)."""
+    IMAGE_TOO_LARGE = "image_too_large"
+    """Declared dimensions exceed the pixel or side limits (decompression bomb)."""
+    BAD_INPUT = "bad_input"
+    """The model's preprocessing rejected the payload for another reason."""
+    EXPIRED = "expired"
+    """The deadline passed before the job could be computed; it was not run."""
+    DEAD_LETTERED = "dead_lettered"
+    """Delivered too many times (it kept killing workers), or unanswerable; see the DLQ."""
+    PREPROCESS_CRASHED = "preprocess_crashed"
+    """A preprocessing process died on this input more than once."""
+    INFERENCE_FAILED = "inference_failed"
+    """The model raised an error on this request (alone, after the batch was split)."""
+    NON_FINITE_OUTPUT = "non_finite_output"
+    """The model's output for this request holds NaN or infinity."""
+    INTERNAL = "internal"
+    QUEUE_FULL = "queue_full"
+    """Refused at submit: the lane's queue is at its bound (see ADMIT_SCRIPT). Never
+    written by workers into a result; the client raises it to its caller."""
+    DUPLICATE_REQUEST_ID = "duplicate_request_id"
+    """The request id belongs to another job still queued, running, or with a live result.
+    Refused at submit by ADMIT_SCRIPT; an entry added past it (plain XADD) is not run and
+    goes to the dead-letter stream with this reason, and the first job keeps the id."""
+    UNDELIVERABLE = "undeliverable"
+    """Never written into a result, a dead-letter reason only: the answer's own keys (its
+    done list, result key or reply list) hold another type, planted by someone, so the
+    answer could not be written; the job is dead-lettered with its decoded envelope."""
+
+
+class ProtocolError(Exception):
+    """A job or result could not be decoded or is invalid.
+
+    ``request_id`` is set when the request could still be identified, so the
+    caller can answer it with an error result.
+    """
+
+    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None) -> None:
+        super().__init__(f"{code.value}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+# --------------------------------------------------------------------------- msgpack
+
+
+def _refuse_ext(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not allowed")
+
+
+def packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def unpackb(data: bytes, max_bytes: int) -> Any:
+    """Decode msgpack within the limits above (str, array, map, nesting; bin and the whole
+    body at most ``max_bytes``). Raises ProtocolError: PAYLOAD_TOO_LARGE for a body over
+    ``max_bytes``, BAD_ENVELOPE (saying what is wrong) for anything else."""
+    if len(data) > max_bytes:
+        raise ProtocolError(ErrorCode.PAYLOAD_TOO_LARGE, f"envelope of {len(data)} bytes")
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_refuse_ext,
+            max_str_len=MAX_STR_BYTES,
+            max_bin_len=max_bytes,
+            max_array_len=MAX_ARRAY_LEN,
+            max_map_len=MAX_MAP_LEN,
+        )
+    except msgpack.StackError as e:  # its message is empty
+        raise ProtocolError(ErrorCode.BAD_ENVELOPE, "body nests arrays or maps deeper than "
+                            f"{MAX_DEPTH} levels") from e
+    except Exception as e:  # msgpack raises many types; all mean "not our envelope"
+        detail = str(e) or type(e).__name__
+        raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"body is not valid msgpack: {detail}") from e
+
+
+# --------------------------------------------------------------------------- job
+
+
+@dataclass(frozen=True, slots=True)
+class JobEnvelope:
+    """One inference request as it travels on a job stream."""
+
+    request_id: str
+    model: str
+    payload: bytes
+    content_type: str = "application/octet-stream"
+    submitted_ms: int = 0
+    """Client's wall clock at submit, Unix milliseconds."""
+    deadline_ms: int | None = None
+    """Client's wall clock after which the result is useless, or None."""
+    lane: Lane = Lane.INTERACTIVE
+    params: Mapping[str, Any] = field(default_factory=dict)
+    reply_to: str | None = None
+    """Optional reply list (see Keys.reply) that receives the request id when done."""
+    version: int = PROTOCOL_VERSION
+
+    def encode(self) -> dict[str, bytes]:
+        """The stream entry fields for XADD."""
+        body = {
+            "v": self.version,
+            "model": self.model,
+            "payload": self.payload,
+            "content_type": self.content_type,
+            "submitted_ms": self.submitted_ms,
+            "deadline_ms": self.deadline_ms,
+            "lane": Lane(self.lane).value,
+            "params": dict(self.params),
+        }
+        if self.reply_to is not None:
+            body["reply_to"] = self.reply_to
+        return {FIELD_REQUEST_ID: self.request_id.encode(), FIELD_JOB: packb(body)}
+
+    @property
+    def budget_ms(self) -> int | None:
+        """The time the client allowed, independent of its clock's offset."""
+        if self.deadline_ms is None:
+            return None
+        return self.deadline_ms - self.submitted_ms
+
+    @classmethod
+    def decode(cls, fields: Mapping[bytes, bytes], max_payload_bytes: int) -> JobEnvelope:
+        """Validate a stream entry and build the envelope.
+
+        Raises ProtocolError; its ``request_id`` is set whenever the entry had a
+        usable request id, so the caller can answer it.
+        """
+        request_id = _decode_request_id(fields)
+        raw = fields.get(FIELD_JOB.encode())
+        if raw is None:
+            raise ProtocolError(ErrorCode.BAD_ENVELOPE, "entry has no 'job' field", request_id)
+        try:
+            body = unpackb(raw, max_payload_bytes + MAX_ENVELOPE_OVERHEAD_BYTES)
+            return _job_from_body(request_id, body, max_payload_bytes)
+        except ProtocolError as e:
+            raise ProtocolError(e.code, e.message, request_id) from e
+
+
+def _decode_request_id(fields: Mapping[bytes, bytes]) -> str:
+    raw = fields.get(FIELD_REQUEST_ID.encode())
+    try:
+        request_id = raw.decode() if isinstance(raw, bytes) else None
+    except UnicodeDecodeError:
+        request_id = None
+    if request_id is None or not valid_request_id(request_id):
+        raise ProtocolError(ErrorCode.BAD_REQUEST_ID, f"unusable request id {raw!r:.80}")
+    return request_id
+
+
+_JOB_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "v": (int,),
+    "model": (str,),
+    "payload": (bytes,),
+    "content_type": (str,),
+    "submitted_ms": (int,),
+    "deadline_ms": (int, type(None)),
+    "lane": (str,),
+    "params": (dict,),
+}
+
+
+def _check_fields(body: Any, types: Mapping[str, tuple[type, ...]]) -> None:
+    if not isinstance(body, dict):
+        raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"body is a {type(body).__name__}, not a map")
+    for name, allowed in types.items():
+        if name not in body:
+            raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"missing field {name!r}")
+        value = body[name]
+        # bool is an int subclass; a version or timestamp of True is a type error.
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            kind = type(value).__name__
+            raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"field {name!r} has type {kind}")
+
+
+def _job_from_body(request_id: str, body: Any, max_payload_bytes: int) -> JobEnvelope:
+    _check_fields(body, _JOB_FIELD_TYPES)
+    if body["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"protocol version {body['v']}")
+    if len(body["payload"]) > max_payload_bytes:
+        size = len(body["payload"])
+        raise ProtocolError(ErrorCode.PAYLOAD_TOO_LARGE, f"{size} > {max_payload_bytes} bytes")
+    try:
+        lane = Lane(body["lane"])
+        validate_name(body["model"])
+    except ValueError as e:
+        raise ProtocolError(ErrorCode.BAD_ENVELOPE, str(e)) from e
+    reply_to = body.get("reply_to")
+    if reply_to is not None and not isinstance(reply_to, str):
+        raise ProtocolError(ErrorCode.BAD_ENVELOPE, "field 'reply_to' must be a string or nil")
+    if len(body["content_type"].encode(errors="surrogatepass")) > MAX_CONTENT_TYPE_BYTES:
+        raise ProtocolError(ErrorCode.BAD_ENVELOPE,
+                            f"content_type longer than {MAX_CONTENT_TYPE_BYTES} bytes")
+    return JobEnvelope(
+        request_id=request_id,
+        model=body["model"],
+        payload=body["payload"],
+        content_type=body["content_type"],
+        submitted_ms=body["submitted_ms"],
+        deadline_ms=body["deadline_ms"],
+        lane=lane,
+        params=_check_params(body["params"]),
+        reply_to=reply_to,
+    )
+
+
+def _check_params(params: dict[Any, Any]) -> dict[str, Any]:
+    """``params`` as the page allows it: at most MAX_PARAMS str keys to scalars."""
+    if len(params) > MAX_PARAMS:
+        raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"more than {MAX_PARAMS} params")
+    for key, value in params.items():
+        if not isinstance(key, str):  # a msgpack bin key decodes as bytes
+            kind = type(key).__name__
+            raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"param key {key!r:.80} is a {kind}")
+        if not isinstance(value, str | int | float | bool | type(None)):
+            kind = type(value).__name__
+            raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"param {key!r} has type {kind}")
+    return params
+
+
+# --------------------------------------------------------------------------- result
+
+
+TIMING_NAMES = ("queue_ms", "preprocess_ms", "batch_wait_ms", "inference_ms", "total_ms")
+
+
+@dataclass(frozen=True, slots=True)
+class ResultEnvelope:
+    """The answer to one request: ok with an output, or error with a code."""
+
+    request_id: str
+    status: Status
+    output: Any = None
+    error_code: ErrorCode | None = None
+    error_message: str = ""
+    timings: Mapping[str, float] = field(default_factory=dict)
+    """Milliseconds per stage; see TIMING_NAMES."""
+    batch_size: int = 0
+    worker: str = ""
+    model: str = ""
+    finished_ms: int = 0
+    version: int = PROTOCOL_VERSION
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+    @classmethod
+    def error(cls, request_id: str, code: ErrorCode, message: str, **kw: Any) -> ResultEnvelope:
+        return cls(request_id, Status.ERROR, error_code=code, error_message=message, **kw)
+
+    def encode(self) -> bytes:
+        error = None
+        if self.error_code is not None:
+            error = {"code": self.error_code.value, "message": self.error_message}
+        return packb(
+            {
+                "v": self.version,
+                "id": self.request_id,
+                "status": self.status.value,
+                "output": self.output,
+                "error": error,
+                "timings": dict(self.timings),
+                "batch_size": self.batch_size,
+                "worker": self.worker,
+                "model": self.model,
+                "finished_ms": self.finished_ms,
+            }
+        )
+
+    @classmethod
+    def decode(cls, data: bytes, max_bytes: int = MAX_RESULT_BYTES) -> ResultEnvelope:
+        body = unpackb(data, max_bytes)
+        _check_fields(body, {"v": (int,), "id": (str,), "status": (str,)})
+        error = body.get("error") or {}
+        try:
+            status = Status(body["status"])
+            code = ErrorCode(error["code"]) if error else None
+        except (ValueError, KeyError, TypeError) as e:
+            raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"bad result status: {e}") from e
+        return cls(
+            request_id=body["id"],
+            status=status,
+            output=body.get("output"),
+            error_code=code,
+            error_message=str(error.get("message", "")),
+            timings=body.get("timings") or {},
+            batch_size=int(body.get("batch_size") or 0),
+            worker=str(body.get("worker") or ""),
+            model=str(body.get("model") or ""),
+            finished_ms=int(body.get("finished_ms") or 0),
+            version=body["v"],
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly view, as the CLI prints it."""
+        out: dict[str, Any] = {"id": self.request_id, "status": self.status.value}
+        if self.ok:
+            out["output"] = self.output
+        else:
+            out["error"] = {"code": self.error_code.value if self.error_code else None,
+                            "message": self.error_message}
+        out.update(timings=dict(self.timings), batch_size=self.batch_size,
+                   worker=self.worker, model=self.model)
+        return out
+
+
