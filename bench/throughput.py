@@ -83,8 +83,8 @@ def load_variant(variant: str) -> tuple[EfficientNetLite0, Callable[[torch.Tenso
     handler = EfficientNetLite0(LimitSettings())
     model = handler.load(torch.device("cpu"))
     try:
-        from redbatch.gpu_worker.model import precision, prepare_model
-        from redbatch.gpu_worker.tuning.calibrate import parse_variant
+        from redbatch.gpu_worker.device import precision, prepare_model
+        from redbatch.gpu_worker.tuning.variants import parse_variant
 
         v = parse_variant(variant)
         prepared = prepare_model(model, v, torch.device("cpu"))

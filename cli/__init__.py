@@ -1,10 +1,51 @@
 """The ``redbatch`` command, the top floor: it imports every other package, none imports it.
 
-Each command group has a module here; the private-stack supervisors (a redis-server and a
-local worker for commands run without ``--redis``), the fleet status reader and view, and
-the ACL rules live beside the commands that use them.
+One module per command group, each importing downward only:
+
+    options.py        options several commands take, each defined once; defaults read
+                      from common/config.py
+    signals.py        SIGINT/SIGTERM while a command runs
+    redis_target.py   the Redis a command talks to: --redis, or a private stack
+    worker.py         worker: serve a model (builds the one Settings object)
+    calibrate.py      calibrate: measure the model on the device, store its profile
+    submit.py         submit: send files, print one JSON line each
+    score.py          score: many inputs into one output file, resumably
+    queues.py         limit, dlq: bound a lane's queue; list, replay, purge dead letters
+    fleet.py          status, top: a running fleet, once or live
+    acl.py            acl: least-privilege Redis users
+
+Beside them live what the commands use: the private-stack supervisors
+(``local_stack.py``, ``redis_server.py``), the fleet status reader and view
+(``fleet_state.py``, ``fleet_view.py``) and the ACL rules (``acl_rules.py``).
 """
 
-from redbatch.cli.commands import main
+import click
+from redbatch import __version__
+from redbatch.cli import acl, calibrate, fleet, queues, score, submit, worker
+
+HELP = """redbatch: dynamic-batching PyTorch inference over Redis streams.
+
+\b
+Start a worker for the default model (EfficientNet-Lite0, ImageNet):
+  redbatch worker --redis redis://localhost:6379/0
+Classify photos and print one JSON line per file:
+  redbatch submit --wait --redis redis://localhost:6379/0 cat.jpg photos/
+Without --redis (and no REDBATCH_REDIS_URL), submit starts a private
+redis-server and a local worker, and stops both when done.
+Watch queues, workers and latency (once, or live):
+  redbatch status --redis redis://localhost:6379/0
+  redbatch top --redis redis://localhost:6379/0
+"""
+
+
+@click.group(help=HELP)
+@click.version_option(__version__, prog_name="redbatch")
+def main() -> None:
+    """The ``redbatch`` group; its commands are added below."""
+
+
+for _command in (worker.worker, calibrate.calibrate, submit.submit, score.score, queues.limit,
+                 queues.dlq, fleet.status, fleet.top, acl.acl):
+    main.add_command(_command)
 
 __all__ = ["main"]

@@ -21,6 +21,7 @@ import redis
 from redbatch.common.protocol import (
     GROUP,
     RECENT_MAX,
+    DeadLetters,
     Keys,
     Lane,
     ProtocolError,
@@ -119,7 +120,7 @@ def _model_status(r: redis.Redis, keys: Keys, now_ms: int, window_s: float) -> M
     for stream in keys.streams():
         pipe.xlen(stream)
         pipe.xinfo_groups(stream)  # an error reply while the stream does not exist
-    pipe.xlen(keys.dlq())
+    DeadLetters(keys).length(pipe)
     pipe.zrange(keys.workers(), 0, -1, withscores=True)
     pipe.lrange(keys.recent(), 0, RECENT_MAX - 1)
     replies = pipe.execute(raise_on_error=False)

@@ -21,6 +21,7 @@ from types import TracebackType
 import redis
 from redbatch.cli.redis_server import RedisServer
 from redbatch.common.protocol import GROUP, Keys, Lane
+from redbatch.common.redis_io import connect
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def spawn_worker(redis_url: str, args: list[str], env: Mapping[str, str] | None 
 def wait_worker_ready(redis_url: str, keys: Keys, proc: subprocess.Popen[bytes],
                       timeout_s: float = 120.0) -> None:
     """Block until ``proc`` has joined the consumer group (it reads only once ready)."""
-    r = redis.Redis.from_url(redis_url)
+    r = connect(redis_url)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:

@@ -22,6 +22,8 @@ from types import TracebackType
 from urllib.parse import quote, urlencode
 
 import redis
+from redbatch.common.config import RedisSettings
+from redbatch.common.redis_io import connect
 
 HOW_TO_INSTALL = (
     "redis-server was not found on PATH. Install it with your package manager, e.g. "
@@ -176,7 +178,8 @@ class RedisServer:
     def _answering_pid(self) -> int | None:
         """process_id of the Redis answering on the port; None while none answers (or it
         loads its data); -1 for one that refuses us, which our own server never does."""
-        client = redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        # Short timeouts: this runs every 20 ms while the server starts.
+        client = connect(RedisSettings(url=self.url, socket_timeout_s=0.5))
         try:
             return int(client.info("server")["process_id"])
         except redis.AuthenticationError:

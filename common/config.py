@@ -1,8 +1,11 @@
 """One typed settings object for a worker, built once from CLI flags and REDBATCH_* variables.
 
-``cli/commands.py`` builds :class:`Settings`; everything else receives it (or
+``cli/worker.py`` builds :class:`Settings`; everything else receives it (or
 one of its parts) as an argument. Child processes get a copy and make their
-own Redis connections from it.
+own Redis connections from it. The dataclass fields are the one home of every
+default: the CLI shows and uses them through :func:`default_of`, never restating
+them. The few ``DEFAULT_*`` constants left are those that code outside the
+settings (the producer's client, the pool's slot arrays, benches) needs too.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ import os
 import re
 import socket
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Any, ClassVar
 from urllib.parse import SplitResult, unquote_plus, urlsplit
 
 from redbatch.common.protocol import DEFAULT_PREFIX, validate_name
@@ -22,15 +26,7 @@ DEFAULT_MODEL = "efficientnet_lite0"
 DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_MAX_WAIT_MS = 5.0
 DEFAULT_MAX_INFLIGHT = 64
-DEFAULT_BULK_MAX_WAIT_MS = 50.0
-DEFAULT_BULK_SHARE = 0.125
-DEFAULT_BULK_BATCH_MS = 25.0
-DEFAULT_BULK_STARVE_MS = 500.0
 DEFAULT_MAX_PAYLOAD_BYTES = 20 * 1024 * 1024
-DEFAULT_MAX_IMAGE_PIXELS = 64_000_000
-DEFAULT_METRICS_PORT = 9400
-#: Loopback: /metrics names consumers, depths and error counts, with no authentication.
-DEFAULT_METRICS_HOST = "127.0.0.1"
 REDIS_URL_SCHEMES = ("redis", "rediss", "unix")
 DEFAULT_SHM_PREFIX = "redbatch"
 
@@ -145,14 +141,14 @@ class BatchSettings:
     #: Jobs read from Redis but not yet answered (bounds memory and shared-memory slots).
     max_inflight: int = DEFAULT_MAX_INFLIGHT
     #: How long the oldest bulk request waits for a fuller batch, ms.
-    bulk_max_wait_ms: float = DEFAULT_BULK_MAX_WAIT_MS
+    bulk_max_wait_ms: float = 50.0
     #: Places of a batch owed to bulk requests that went unserved for bulk_starve_ms.
-    bulk_share: float = DEFAULT_BULK_SHARE
+    bulk_share: float = 0.125
     #: How long waiting bulk requests may go unserved before they are owed places, ms.
-    bulk_starve_ms: float = DEFAULT_BULK_STARVE_MS
+    bulk_starve_ms: float = 500.0
     #: Expected run time a batch holding bulk requests may reach while interactive traffic
     #: is arriving, ms; 0 for no limit (see gpu_worker/batcher.py LanePolicy).
-    bulk_batch_ms: float = DEFAULT_BULK_BATCH_MS
+    bulk_batch_ms: float = 25.0
     #: In-flight places bulk jobs may never take, so interactive jobs are read at once.
     interactive_reserve: int = 0
 
@@ -197,7 +193,7 @@ class LimitSettings:
     #: Largest accepted payload, bytes.
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     #: Largest decoded image, pixels (width x height); bigger is a decompression bomb.
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_image_pixels: int = 64_000_000
     #: Longest accepted image side, pixels.
     max_image_side: int = 16_384
 
@@ -243,6 +239,13 @@ def model_name_from_spec(spec: str) -> str:
 class TuneSettings:
     """Where the calibration profile comes from (see gpu_worker/tuning/apply.py)."""
 
+    #: Settings a calibration profile may set unless they are given explicitly: the
+    #: names that ``explicit`` may hold.
+    TUNABLE: ClassVar[tuple[str, ...]] = (
+        "max_batch_size", "max_inflight", "channels_last", "autocast", "compile")
+    #: Where the profile comes from: the values ``calibrate`` may take.
+    CALIBRATE_MODES: ClassVar[tuple[str, ...]] = ("auto", "load", "off")
+
     #: auto: load the profile, or calibrate quickly and store one when there is none;
     #: load: load it if there is one; off: no profile.
     calibrate: str = "auto"
@@ -253,11 +256,11 @@ class TuneSettings:
     #: CUDA: share of device memory kept free; the batch limit drops before it is reached.
     memory_watermark: float = 0.1
     #: Settings given explicitly (flag or variable), which a profile never overrides:
-    #: names among max_batch_size, max_inflight, channels_last, autocast, compile.
+    #: names among TUNABLE.
     explicit: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        if self.calibrate not in ("auto", "load", "off"):
+        if self.calibrate not in self.CALIBRATE_MODES:
             raise ValueError("calibrate must be auto, load or off")
         if not 0 <= self.memory_watermark < 1:
             raise ValueError("memory_watermark must be in [0, 1)")
@@ -294,10 +297,25 @@ class Settings:
     #: Deliveries after which a job is dead-lettered instead of run again.
     max_deliveries: int = 3
     #: Port of /metrics, /healthz and /readyz; 0 serves none of them.
-    metrics_port: int = DEFAULT_METRICS_PORT
+    metrics_port: int = 9400
     #: Address the metrics server listens on; loopback by default (no authentication),
     #: 0.0.0.0 for Prometheus on other hosts or containers (compose.yaml sets it).
-    metrics_host: str = DEFAULT_METRICS_HOST
+    metrics_host: str = "127.0.0.1"
     #: A batch running longer than this, seconds, means a hung device or model: the worker
     #: exits (code 3) for its supervisor to restart it, and its jobs are taken over.
     batch_timeout_s: float = 120.0
+
+
+def default_of(settings_class: type[Any], name: str) -> Any:
+    """The default of field ``name`` of the settings dataclass ``settings_class`` (its
+    factory's value when it has one): how the CLI shows and uses these defaults without
+    restating them. ValueError for a field that does not exist or has no default."""
+    for each in fields(settings_class):
+        if each.name != name:
+            continue
+        if each.default is not MISSING:
+            return each.default
+        if each.default_factory is not MISSING:
+            return each.default_factory()
+        break
+    raise ValueError(f"{settings_class.__name__} has no default for {name!r}")

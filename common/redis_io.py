@@ -1,4 +1,5 @@
-"""Redis connections and the few stream calls whose reply shapes need normalising.
+"""The one Redis connection factory (blocking and asyncio, always with timeouts) and the
+few stream calls whose reply shapes need normalising.
 
 Redis errors are translated here into :class:`RedisUnavailable` so callers
 handle one exception type at the boundary.
@@ -10,6 +11,7 @@ import random
 from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 from redbatch.common.config import RedisSettings
 
 StreamEntry = tuple[bytes, dict[bytes, bytes]]
@@ -48,19 +50,40 @@ def error_code(e: BaseException) -> str:
     return first if first.isupper() else "ERR"
 
 
-def connect(settings: RedisSettings, *, blocking: bool = False) -> redis.Redis:
-    """A client for ``settings.url``; bytes in, bytes out.
+def connect(url_or_settings: str | RedisSettings, *, blocking: bool = False) -> redis.Redis:
+    """A blocking client for a Redis URL or :class:`RedisSettings`; bytes in, bytes out.
 
-    ``blocking=True`` is for connections that issue BLOCK/BLPOP calls: their
-    socket timeout is left unset so a long block is not cut off mid-wait.
+    The one place a Redis client is built. Connecting is bounded by the socket timeout
+    (``RedisSettings.socket_timeout_s``, 10 s for a plain URL), and so is every reply,
+    except on a ``blocking=True`` client: one that issues BLOCK/BLPOP calls, whose
+    socket timeout is left unset so a long block is not cut off mid-wait. A URL is taken
+    as it is; :meth:`RedisSettings.from_dsn` is the one that validates it.
     """
-    return redis.Redis.from_url(
-        settings.url,
-        socket_timeout=None if blocking else settings.socket_timeout_s,
-        socket_connect_timeout=settings.socket_timeout_s,
-        health_check_interval=30,
-        decode_responses=False,
-    )
+    settings = _settings(url_or_settings)
+    return redis.Redis.from_url(settings.url, **_options(settings, blocking))
+
+
+def connect_async(url_or_settings: str | RedisSettings, *,
+                  blocking: bool = False) -> aioredis.Redis:
+    """The asyncio twin of :func:`connect`, with the same timeouts."""
+    settings = _settings(url_or_settings)
+    return aioredis.Redis.from_url(settings.url, **_options(settings, blocking))
+
+
+def _settings(url_or_settings: str | RedisSettings) -> RedisSettings:
+    if isinstance(url_or_settings, RedisSettings):
+        return url_or_settings
+    return RedisSettings(url=url_or_settings)
+
+
+def _options(settings: RedisSettings, blocking: bool) -> dict[str, Any]:
+    """Keywords of ``from_url`` shared by both clients."""
+    return {
+        "socket_timeout": None if blocking else settings.socket_timeout_s,
+        "socket_connect_timeout": settings.socket_timeout_s,
+        "health_check_interval": 30,
+        "decode_responses": False,
+    }
 
 
 def normalise_xread(reply: Any) -> list[tuple[bytes, list[StreamEntry]]]:

@@ -25,8 +25,8 @@ from redbatch.common.protocol import (
     JobEnvelope,
     Keys,
     Lane,
+    OwnerKeys,
     ProtocolError,
-    owner_ttl_ms,
     valid_request_id,
 )
 from redbatch.common.redis_io import StreamEntry, normalise_xread
@@ -113,6 +113,7 @@ class Intake:
                  reclaim_idle_ms: int = 60_000, max_deliveries: int = 3) -> None:
         self._redis = r
         self.keys = keys
+        self._owners = OwnerKeys(keys)
         self.consumer = consumer
         self._max_payload = max_payload_bytes
         self._max_deliveries = max_deliveries
@@ -196,13 +197,11 @@ class Intake:
         for item in claims:
             budget = item.envelope.budget_ms if isinstance(item, Job) else 0
             assert item.request_id is not None
-            pipe.set(self.keys.owner(item.request_id), item.entry_id, nx=True, get=True,
-                     px=owner_ttl_ms(budget))
+            self._owners.claim(pipe, item.request_id, item.entry_id, budget)
         duplicates: set[int] = set()
-        # An owner key of the wrong type (written by hand) answers with an error: the id is
-        # then taken as free rather than letting one odd key wedge the job.
-        for item, owner in zip(claims, pipe.execute(raise_on_error=False), strict=True):
-            if isinstance(owner, bytes) and owner != item.entry_id:
+        for item, reply in zip(claims, pipe.execute(raise_on_error=False), strict=True):
+            owner = OwnerKeys.rival(reply, item.entry_id)
+            if owner is not None:
                 duplicates.add(id(item))
                 bad.append(_duplicate(item, owner, raw[item.entry_id]))
         if duplicates:

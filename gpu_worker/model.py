@@ -29,74 +29,31 @@ submitting holds a lock. Never imports redis: results go back as values.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+from redbatch.common.config import TuneSettings, default_of
 from redbatch.common.protocol import ErrorCode
+from redbatch.gpu_worker.device import (
+    AUTOCAST_DTYPES,
+    next_batch_limit,
+    precision,
+    prepare_model,
+    total_memory,
+    use_compile_settings,
+)
 from redbatch.gpu_worker.tuning.profile import Variant
 from redbatch.handlers.base import Handler
 
 logger = logging.getLogger(__name__)
 
-#: CUDA: share of device memory kept free; the batch limit is lowered before it is reached.
-DEFAULT_MEMORY_WATERMARK = 0.1
-AUTOCAST_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@contextmanager
-def precision(device_type: str, autocast: str | None) -> Iterator[None]:
-    """torch.autocast to a variant's dtype ('float16', 'bfloat16'); nothing for None."""
-    dtype = AUTOCAST_DTYPES.get(autocast or "")
-    with torch.autocast(device_type, dtype=dtype) if dtype is not None else nullcontext():
-        yield
-
-
-def resolve_device(spec: str) -> torch.device:
-    """'auto' picks cuda when available; 'cuda:N' checks that N exists."""
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(spec)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {spec!r} asked for, but CUDA is not available")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {spec!r}: only {torch.cuda.device_count()} GPUs")
-    return device
-
-
-def cpu_lanes(requested: int) -> int:
-    """Batches a CPU worker runs at once: what was asked, else 2 with 2 cores or more.
-
-    The model is nearly all the work on CPU (EfficientNet-Lite0 here: about 17 core-ms per
-    photo against 4.5 of decoding), so every core should run it. One forward pass on all
-    cores synchronises its threads hundreds of times, and stalls whenever another process
-    (a pool process decoding, a neighbour) takes one of them: measured on 2 cores, batch 8,
-    2 threads gave 93 img/s alone but 29 beside one busy process. Two batches at once, each
-    on half the cores, gave 79-91 alone and 60-63 beside it; one thread 54 and 47.
-    """
-    if requested > 0:
-        return requested
-    return 2 if (os.cpu_count() or 1) >= 2 else 1
-
-
-def choose_torch_threads(requested: int, pool_processes: int, device_type: str = "cpu",
-                         lanes: int = 1) -> int:
-    """Intra-op threads: what was asked; else on CPU each lane's share of the cores, on CUDA
-    the cores the pool leaves free (at least 1)."""
-    if requested > 0:
-        return requested
-    cores = os.cpu_count() or 1
-    if device_type == "cpu":
-        return max(1, cores // max(lanes, 1))
-    return max(1, cores - pool_processes)
 
 
 class BatchSizeMismatch(RuntimeError):
@@ -123,56 +80,6 @@ def _is_device_fatal(e: Exception) -> bool:
         and ("CUDA error" in text or "device-side assert" in text)
 
 
-def prepare_model(model: Callable[[torch.Tensor], torch.Tensor], variant: Variant,
-                  device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Eval mode and the variant's memory format (modules only; other callables as they
-    are), then torch.compile when asked. Changes a module in place."""
-    if isinstance(model, torch.nn.Module):
-        model.eval()
-        model.to(memory_format=torch.channels_last if variant.channels_last  # type: ignore[call-overload]
-                 else torch.contiguous_format)
-    if variant.compile:
-        use_compile_settings()
-        return torch.compile(model, dynamic=False)
-    return model
-
-
-def use_compile_settings() -> None:
-    """torch.compile's settings for this worker, in the calling thread.
-
-    Since torch 2.13 a config value set in one thread is not seen by others, and a
-    compiled model compiles each new shape in the thread that first calls it (a CPU
-    lane): every such thread calls this first.
-    """
-    import torch._dynamo.config as dynamo_config
-    import torch._inductor.config as inductor_config
-
-    # Weights become constants of the graph: inference only, and much faster on CPU
-    # (EfficientNet-Lite0 on one thread: 60 img/s compiled without it, 78 with it).
-    inductor_config.freezing = True
-    # One graph per batch size: allow as many as calibration measures (default 8, past
-    # which torch silently falls back to eager).
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(dynamo_config, name):
-            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
-
-
-def next_batch_limit(limit: int, max_batch_size: int, headroom_bytes: int,
-                     watermark_bytes: int, bytes_per_item: int) -> int:
-    """The batch limit after a batch, from the device memory still available
-    (``headroom_bytes``: free in the driver plus cached by torch and unused).
-
-    Below the watermark, halve it (at least 1); with room for the watermark plus twice
-    the current limit's activations, double it back towards ``max_batch_size``.
-    """
-    if headroom_bytes < watermark_bytes:
-        return max(1, limit // 2)
-    if limit < max_batch_size and \
-            headroom_bytes > watermark_bytes + 2 * limit * max(bytes_per_item, 1):
-        return min(max_batch_size, limit * 2)
-    return limit
-
-
 @dataclass(slots=True)
 class InFlight:
     """A submitted batch: its outputs are ready once ``done`` fired (CUDA) or at once (CPU)."""
@@ -197,7 +104,7 @@ class ModelRunner:
     def __init__(self, handler: Handler, device: torch.device, slots: np.ndarray,
                  max_batch_size: int, variant: Variant | None = None, *,
                  model: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 memory_watermark: float = DEFAULT_MEMORY_WATERMARK,
+                 memory_watermark: float = default_of(TuneSettings, "memory_watermark"),
                  host_buffers: list[torch.Tensor] | None = None, lanes: int = 1) -> None:
         self.handler = handler
         self.device = device
@@ -237,7 +144,7 @@ class ModelRunner:
         self._autocast = AUTOCAST_DTYPES.get(self.variant.autocast or "")
         loaded = model if model is not None else handler.load(device)
         self._model = prepare_model(loaded, self.variant, device)
-        self._watermark_bytes = int(memory_watermark * _total_memory(device))
+        self._watermark_bytes = int(memory_watermark * total_memory(device))
         self._bytes_per_item = 0
         self._base_bytes = 0
 
@@ -486,9 +393,3 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _event(timing: bool = False) -> Any:
     return torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]
-
-
-def _total_memory(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    return int(torch.cuda.get_device_properties(device).total_memory)

@@ -36,25 +36,25 @@ from typing import Any
 import redis
 from redbatch.common.logs import Throttle
 from redbatch.common.protocol import (
-    DLQ_AT_MS,
-    DLQ_DELIVERIES,
     DLQ_ENTRY,
-    DLQ_MAX_LEN,
-    DLQ_REASON,
-    DLQ_SOURCE,
-    DONE_TOKEN,
-    FIELD_JOB,
     FIELD_REQUEST_ID,
     GROUP,
     RECENT_MAX,
     RECENT_TTL_MS,
+    AnswerKeys,
+    DeadLetter,
+    DeadLetters,
     ErrorCode,
     JobEnvelope,
     Keys,
     Lane,
+    OwnerKeys,
     RecentResult,
+    ReplyList,
     ResultEnvelope,
     Status,
+    dead_letter,
+    own_fields,
 )
 from redbatch.common.redis_io import REDIS_ERRORS, RedisRefused, RedisUnavailable, error_code
 from redbatch.gpu_worker.intake import BadEntry, Job
@@ -64,8 +64,6 @@ logger = logging.getLogger(__name__)
 #: Dead-letter records kept in memory while the dead-letter stream cannot take them; past
 #: this the oldest are dropped (and logged): memory stays bounded whatever Redis holds.
 RECORDS_KEPT = 10_000
-DeadLetter = dict[str, bytes | str]
-"""The fields of one dead-letter entry (see PROTOCOL.md, "Dead letters")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +134,9 @@ class ResultWriter:
     def __init__(self, r: redis.Redis, keys: Keys, worker: str, ttl_s: int) -> None:
         self._redis = r
         self.keys = keys
+        self._owners = OwnerKeys(keys)
+        self._answers = AnswerKeys(keys)
+        self._dead = DeadLetters(keys)
         self.worker = worker
         self._ttl_ms = ttl_s * 1000
         #: Dead-letter records of acknowledged entries, not yet in the dead-letter stream.
@@ -216,12 +217,11 @@ class ResultWriter:
         the dead-letter stream key holds another type. WATCH ties the check to the EXEC."""
         dead = [a for a in answers if a.dead_letter is not None]
         if dead:
-            pipe.watch(self.keys.dlq())
-            kind = pipe.type(self.keys.dlq())
-            if kind not in (b"none", b"stream", "none", "stream"):
+            kind = self._dead.guard(pipe)
+            if kind is not None:
                 self._warn.error("dlq-type", "the dead-letter stream %s holds a %s, not a "
                                  "stream: %d dead letters stay pending until it is deleted",
-                                 self.keys.dlq(), kind, len(dead))
+                                 self._dead.key, kind, len(dead))
                 pipe.multi()
                 return [a for a in answers if a.dead_letter is None], dead
         pipe.multi()
@@ -232,9 +232,7 @@ class ResultWriter:
         ops: list[_Op] = []
         for i, answer in enumerate(answers):
             if answer.dead_letter is not None:
-                pipe.xadd(self.keys.dlq(), answer.dead_letter, maxlen=DLQ_MAX_LEN,
-                          approximate=True)
-                ops.append(_Op(i, f"XADD {self.keys.dlq()}", record=True))
+                ops.append(_Op(i, self._dead.add(pipe, answer.dead_letter), record=True))
             if answer.request_id is not None:
                 ops += self._queue_result(pipe, i, answer)
         ops += self._push_recent(pipe, answers)
@@ -245,24 +243,15 @@ class ResultWriter:
         return ops
 
     def _queue_result(self, pipe: Any, i: int, answer: Answer) -> list[_Op]:
+        """Queue the answer's result and wake-up token, keep its id taken as long (NOTE
+        [ Request id owners ]), and announce it on its reply list if it names one."""
         rid = answer.request_id
         assert rid is not None
-        result, done, owner = self.keys.result(rid), self.keys.done(rid), self.keys.owner(rid)
-        # NX: a job run twice (taken over from a stuck worker) keeps its first result, so a
-        # late write can never change what a client already read. GET makes a key of
-        # another type planted there fail (WRONGTYPE) instead of passing for a first result.
-        pipe.set(result, answer.encoded, px=self._ttl_ms, nx=True, get=True)
-        pipe.rpush(done, DONE_TOKEN)
-        pipe.pexpire(done, self._ttl_ms)
-        # The id stays taken while its result can be read (NOTE [ Request id owners ]).
-        pipe.pexpire(owner, self._ttl_ms)
-        ops = [_Op(i, f"SET {result}"), _Op(i, f"RPUSH {done}"), _Op(i, f"PEXPIRE {done}"),
-               _Op(i, f"PEXPIRE {owner}")]
+        queued = [*self._answers.write(pipe, rid, answer.encoded, self._ttl_ms),
+                  self._owners.keep(pipe, rid, self._ttl_ms)]
         if answer.reply_to is not None:
-            pipe.rpush(answer.reply_to, rid)
-            pipe.pexpire(answer.reply_to, self._ttl_ms)
-            ops += [_Op(i, f"RPUSH {answer.reply_to}"), _Op(i, f"PEXPIRE {answer.reply_to}")]
-        return ops
+            queued += ReplyList(answer.reply_to).announce(pipe, rid, self._ttl_ms)
+        return [_Op(i, what) for what in queued]
 
     def _push_recent(self, pipe: Any, answers: Sequence[Answer]) -> list[_Op]:
         """Queue the answered results onto the capped recent list `redbatch status` reads."""
@@ -321,8 +310,7 @@ class ResultWriter:
         records = list(self._records)
         pipe = self._redis.pipeline(transaction=False)
         for record in records:
-            pipe.xadd(self.keys.dlq(), record,  # type: ignore[arg-type]
-                      maxlen=DLQ_MAX_LEN, approximate=True)
+            self._dead.add(pipe, record)
         try:
             replies = pipe.execute(raise_on_error=False)
         except redis.RedisError as e:
@@ -340,24 +328,15 @@ def _undeliverable(answer: Answer, reason: str) -> DeadLetter:
         record = {name: value for name, value in answer.envelope.encode().items()}
     elif answer.request_id is not None:
         record[FIELD_REQUEST_ID] = answer.request_id
-    return {**record, **_provenance(answer.stream, answer.entry_id, ErrorCode.UNDELIVERABLE,
-                                    reason, answer.deliveries)}
+    return dead_letter(record, answer.stream, answer.entry_id, ErrorCode.UNDELIVERABLE, reason,
+                       answer.deliveries)
 
 
 def _dead_letter_fields(entry: BadEntry) -> DeadLetter:
     """The entry's own ``rid`` and ``job`` fields, byte for byte and only those it had,
     with where it came from and why."""
-    fields = entry.fields or {}
-    own: DeadLetter = {name: fields[name.encode()] for name in (FIELD_REQUEST_ID, FIELD_JOB)
-                       if name.encode() in fields}
-    return {**own, **_provenance(entry.stream, entry.entry_id, entry.code, entry.message,
-                                 entry.deliveries)}
-
-
-def _provenance(stream: str, entry_id: bytes, code: ErrorCode, message: str,
-                deliveries: int) -> DeadLetter:
-    return {DLQ_SOURCE: stream, DLQ_ENTRY: entry_id, DLQ_REASON: f"{code.value}: {message}",
-            DLQ_DELIVERIES: str(deliveries), DLQ_AT_MS: str(int(time.time() * 1000))}
+    return dead_letter(own_fields(entry.fields or {}), entry.stream, entry.entry_id, entry.code,
+                       entry.message, entry.deliveries)
 
 
 def _by_stream(answers: Sequence[Answer]) -> dict[str, list[bytes]]:

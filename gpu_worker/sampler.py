@@ -12,7 +12,7 @@ import threading
 from typing import Any
 
 import redis
-from redbatch.common.protocol import GROUP, Keys, Lane
+from redbatch.common.protocol import GROUP, DeadLetters, Keys, Lane
 from redbatch.common.redis_io import REDIS_ERRORS
 from redbatch.gpu_worker.metrics import Health, WorkerMetrics
 
@@ -58,7 +58,7 @@ class Sampler:
         for lane in Lane:
             pipe.xlen(self.keys.stream(lane))
             pipe.xinfo_groups(self.keys.stream(lane))
-        pipe.xlen(self.keys.dlq())
+        DeadLetters(self.keys).length(pipe)
         # A stream deleted under us answers XINFO with an error: that lane reads as empty.
         replies = pipe.execute(raise_on_error=False)
         for i, lane in enumerate(Lane):

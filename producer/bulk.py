@@ -12,21 +12,8 @@ NOTE [ Interrupting a scoring run ]
   The output never holds half a record from this process, and a half line
   left by a crash (SIGKILL) is dropped when the run resumes.
 
-NOTE [ A bounded queue ]
-  When the lane has a bound (admission control) the scorer is just one more
-  producer that can be refused. Refused items are kept, in order, at the head
-  of the line (only the item: the file is read again when it is resubmitted,
-  so memory stays bounded) and count towards the window. The scorer then backs
-  off, exponentially with jitter from BACKOFF_START_S up to BACKOFF_MAX_S,
-  while it keeps collecting results; a retry that gets jobs admitted resets the
-  delay, and results of its own jobs (room was freed) end the wait at once,
-  without resetting the delay should the room be gone again. Once refused,
-  the scorer asks for the room left before each submission and sends no more
-  than fits, so refused payloads are not sent over and over; the script still
-  decides, atomically, so other producers racing for the same room only cause
-  more retries. New items that find no room wait in the same line. An item
-  that waits longer than ``timeout_s`` to be admitted is written as a
-  ``timeout``, so a run against a queue that never drains still ends.
+Pacing against a bounded lane (the items admission control refuses, and when to
+offer them again) is in pacing.py, with its NOTE [ A bounded queue ].
 
 NOTE [ Redis going away ]
   A submission whose connection breaks may have queued some of its jobs, or
@@ -47,17 +34,23 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import cast
 
 import redis
-from redbatch.common.protocol import JobEnvelope, Lane, ResultEnvelope
-from redbatch.common.redis_io import REDIS_ERRORS, Backoff
+from redbatch.common.protocol import (
+    AnswerKeys,
+    JobEnvelope,
+    Lane,
+    OwnerKeys,
+    ReplyList,
+    ResultEnvelope,
+)
+from redbatch.common.redis_io import REDIS_ERRORS
 from redbatch.producer.client import Client, DuplicateRequestId, QueueFull
 from redbatch.producer.inputs import Item
 from redbatch.producer.output import DoneIndex, OutputWriter, record
+from redbatch.producer.pacing import Waiting, WaitingLine
 from redbatch.producer.progress import Progress, RunStats
 
 #: Jobs sent per pipelined round trip while filling the window.
@@ -66,9 +59,6 @@ SUBMIT_CHUNK = 64
 COLLECT_CHUNK = 256
 #: Longest single wait for a reply, seconds (bounds how late a signal is noticed).
 WAIT_SLICE_S = 0.5
-#: Back-off after a queue_full refusal: first delay and cap, seconds (see the NOTE).
-BACKOFF_START_S = 0.05
-BACKOFF_MAX_S = 2.0
 #: How often, and past what age, jobs in flight are looked up by their result key, s.
 SWEEP_EVERY_S = 5.0
 
@@ -93,42 +83,6 @@ class _InFlight:
     sent: float
 
 
-@dataclass(slots=True)
-class _Waiting:
-    """An item to submit; ``since``: when admission control first refused it (monotonic),
-    for its timeout, or None when it was not refused yet."""
-
-    item: Item
-    since: float | None = None
-
-
-class RetryClock:
-    """When refused items may be sent again: the shared exponential back-off with jitter
-    (``redis_io.Backoff``), kept as a moment rather than slept through, because the scorer
-    goes on collecting results meanwhile."""
-
-    def __init__(self, start: float = BACKOFF_START_S, cap: float = BACKOFF_MAX_S) -> None:
-        self._delays = Backoff(first_s=start, cap_s=cap)
-        #: Monotonic time before which no retry is made.
-        self.until = 0.0
-
-    def failed(self, now: float) -> None:
-        self.until = now + self._delays.next_wait_s()
-
-    def progressed(self, now: float) -> None:
-        """Jobs were admitted: keep polling at the start rate while any wait."""
-        self._delays.reset()
-        self.failed(now)
-
-    def reset(self) -> None:
-        self._delays.reset()
-        self.until = 0.0
-
-    def wake(self) -> None:
-        """Retry now (room was freed), keeping the delay for the next failure."""
-        self.until = 0.0
-
-
 class BulkScorer:
     """Scores items from an iterator into an output writer; see the module NOTE."""
 
@@ -142,16 +96,13 @@ class BulkScorer:
         self.progress = progress
         self.stopping = threading.Event()
         self.aborting = threading.Event()
-        self._reply = client.keys().reply(f"run-{uuid.uuid4().hex[:12]}")
+        self._reply = ReplyList(client.keys().reply(f"run-{uuid.uuid4().hex[:12]}"))
+        self._owners, self._answers = OwnerKeys(client.keys()), AnswerKeys(client.keys())
         self._inflight: dict[str, _InFlight] = {}
-        #: Items refused by admission control, oldest first, to be submitted before any
-        #: new one (see the NOTE).
-        self._refused: deque[_Waiting] = deque()
-        self._backoff = RetryClock()
-        #: The lane refused us once: size every submission to the room its queue has left.
-        self._bounded = False
+        #: Items refused by admission control, submitted before any new one (see pacing.py).
+        self._line = WaitingLine()
         #: A submission whose connection broke, to send again as it was (see the NOTE).
-        self._unsent: tuple[list[JobEnvelope], dict[str, _Waiting]] | None = None
+        self._unsent: tuple[list[JobEnvelope], dict[str, Waiting]] | None = None
         self._next_sweep = time.monotonic() + SWEEP_EVERY_S
         self._exhausted = False
 
@@ -173,7 +124,7 @@ class BulkScorer:
             elif drain_until is None:
                 drain_until = time.monotonic() + self.settings.grace_s
             if not self._inflight and (self.stopping.is_set() or
-                                       (self._exhausted and not self._refused)):
+                                       (self._exhausted and not self._line)):
                 break
             if drain_until is not None and time.monotonic() > drain_until:
                 break
@@ -185,10 +136,10 @@ class BulkScorer:
         if self.progress:
             self.progress.finish()
         try:
-            self.client.redis.delete(self._reply)
+            self._reply.delete(self.client.redis)
         except (redis.ConnectionError, redis.TimeoutError):
             pass  # the list expires on its own
-        return self._exhausted and not self._inflight and not self._refused
+        return self._exhausted and not self._inflight and not self._line
 
     def _unseen(self, items: Iterator[Item]) -> Iterator[Item]:
         for item in items:
@@ -205,62 +156,50 @@ class BulkScorer:
 
     def _fill(self, pending: Iterator[Item]) -> None:
         """Top the window up, in pipelined chunks; refused items go first, once the
-        back-off allows (see the NOTE)."""
+        back-off allows (see NOTE [ A bounded queue ] in pacing.py)."""
+        line = self._line
         while True:
             if self._unsent is not None:
-                if time.monotonic() < self._backoff.until or not self._send(*self._unsent):
+                if not line.ready(time.monotonic()) or not self._send(*self._unsent):
                     return
-            if self._refused:
-                room = min(SUBMIT_CHUNK, len(self._refused))
+            if line:
+                room = min(SUBMIT_CHUNK, len(line))
             else:
                 room = min(SUBMIT_CHUNK, self.settings.window - len(self._inflight))
                 if room <= 0 or self._exhausted:
                     return
-            if time.monotonic() < self._backoff.until:
+            if not line.ready(time.monotonic()):
                 return
-            if self._bounded:
+            if line.bounded:
                 room = self._room_in_queue(pending, room)
                 if room == 0:
                     return
-            if self._refused:
-                chunk = [self._refused.popleft() for _ in range(room)]
-            else:
-                chunk = self._take(pending, room)
+            chunk = line.take(room) if line else self._take(pending, room)
             admitted, refused = self._submit(chunk)
             if self._unsent is not None:
                 return
-            self._pace(admitted, refused)
-
-    def _pace(self, admitted: int, refused: int) -> None:
-        now = time.monotonic()
-        if not refused:
-            self._backoff.reset()
-        elif admitted:
-            self._backoff.progressed(now)
-        else:
-            self._backoff.failed(now)
+            line.pace(admitted, refused, time.monotonic())
 
     def _room_in_queue(self, pending: Iterator[Item], room: int) -> int:
         """How many of ``room`` jobs fit the lane's bound now; 0 means back off."""
         try:
             free = self.client.queue_state(self.settings.lane).room
         except REDIS_ERRORS:
-            self._backoff.failed(time.monotonic())
+            self._line.clock.failed(time.monotonic())
             return 0
         if free is None:
-            self._bounded = False  # the bound was removed
+            self._line.bounded = False  # the bound was removed
             return room
         if free == 0:
-            if not self._refused:  # new items wait for room (and time out) too
-                now = time.monotonic()
-                self._refused.extend(_Waiting(w.item, now) for w in self._take(pending, room))
-            self._backoff.failed(time.monotonic())
+            if not self._line:  # new items wait for room (and time out) too
+                self._line.no_room(self._take(pending, room), time.monotonic())
+            self._line.clock.failed(time.monotonic())
         return min(room, free)
 
-    def _take(self, pending: Iterator[Item], n: int) -> list[_Waiting]:
+    def _take(self, pending: Iterator[Item], n: int) -> list[Waiting]:
         fresh = list(itertools.islice(pending, n))
         self._exhausted = len(fresh) < n
-        return [_Waiting(item) for item in fresh]
+        return [Waiting(item) for item in fresh]
 
     def _read(self, item: Item) -> bytes | None:
         try:
@@ -275,43 +214,43 @@ class BulkScorer:
             return None
         return data
 
-    def _submit(self, chunk: list[_Waiting]) -> tuple[int, int]:
+    def _submit(self, chunk: list[Waiting]) -> tuple[int, int]:
         """Submit items; the refused ones go back to the head of the line, in order.
         Returns how many were admitted and how many refused."""
         jobs: list[JobEnvelope] = []
-        entries: dict[str, _Waiting] = {}
+        entries: dict[str, Waiting] = {}
         for entry in chunk:
             data = self._read(entry.item)
             if data is None:
                 continue
             job = self.client.job(data, timeout_s=self.settings.timeout_s,
-                                  lane=self.settings.lane, reply_to=self._reply)
+                                  lane=self.settings.lane, reply_to=self._reply.key)
             jobs.append(job)
             entries[job.request_id] = entry
         if not jobs:
             return 0, 0
         return self._admit(jobs, entries)
 
-    def _send(self, jobs: list[JobEnvelope], entries: dict[str, _Waiting]) -> bool:
+    def _send(self, jobs: list[JobEnvelope], entries: dict[str, Waiting]) -> bool:
         """Send a submission again after a broken connection; True once it got through."""
         self._unsent = None
         _, refused = self._admit(jobs, entries)
         if self._unsent is not None:
             return False
         logger.info("Redis is back: submitting again")
-        self._pace(len(jobs) - refused, refused)
+        self._line.pace(len(jobs) - refused, refused, time.monotonic())
         return True
 
-    def _admit(self, jobs: list[JobEnvelope], entries: dict[str, _Waiting]) -> tuple[int, int]:
+    def _admit(self, jobs: list[JobEnvelope], entries: dict[str, Waiting]) -> tuple[int, int]:
         refused: list[str] = []
         try:
             admitted = self.client.submit_jobs(jobs)
         except QueueFull as e:
             admitted, refused = e.accepted + e.duplicates, e.refused
-            if not self._bounded:
+            if not self._line.bounded:
                 logger.info("the %s queue of model %r is full (bound %d): backing off "
                             "and retrying", e.lane.value, e.model, e.bound)
-            self._bounded = True
+            self._line.bounded = True
         except DuplicateRequestId as e:
             # Only after a broken connection: these were queued by the lost submission.
             admitted = e.accepted + e.duplicates
@@ -319,15 +258,12 @@ class BulkScorer:
             if self._unsent is None:
                 logger.warning("submitting failed (%s); retrying with back-off", e)
             self._unsent = (jobs, entries)
-            self._backoff.failed(time.monotonic())
+            self._line.clock.failed(time.monotonic())
             return 0, 0
         now = time.monotonic()
         for rid in admitted:
             self._inflight[rid] = _InFlight(entries[rid].item, now)
-        for rid in reversed(refused):
-            entry = entries[rid]
-            self._refused.appendleft(_Waiting(entry.item, now if entry.since is None
-                                              else entry.since))
+        self._line.refused((entries[rid] for rid in refused), now)
         return len(admitted), len(refused)
 
     # ------------------------------------------------------------------ collect
@@ -336,19 +272,14 @@ class BulkScorer:
         """Wait briefly for finished ids on the reply list, then read and write their results.
 
         While refused items wait, the wait ends when their back-off does."""
-        r = self.client.redis
         wait = WAIT_SLICE_S
-        if self._backoff.until > 0 and not self.stopping.is_set():
-            wait = min(wait, max(0.01, self._backoff.until - time.monotonic()))
+        if not self.stopping.is_set():
+            wait = self._line.wait_s(wait, time.monotonic())
         try:
-            first = r.blpop([self._reply], timeout=wait)
-            if first is None:
-                return
-            more = r.lpop(self._reply, COLLECT_CHUNK) or []
+            ids = self._reply.pop(self.client.redis, wait, COLLECT_CHUNK)
         except REDIS_ERRORS:
             time.sleep(WAIT_SLICE_S)  # results are durable; the sweep finds any lost id
             return
-        ids = [i.decode() for i in [first[1], *more]]
         self._write_results([i for i in ids if i in self._inflight])
 
     def _sweep(self) -> None:
@@ -358,12 +289,11 @@ class BulkScorer:
             return
         self._next_sweep = now + SWEEP_EVERY_S
         old = [rid for rid, f in self._inflight.items() if now - f.sent > SWEEP_EVERY_S]
-        keys = self.client.keys()
         for start in range(0, len(old), COLLECT_CHUNK):
             chunk = old[start:start + COLLECT_CHUNK]
             pipe = self.client.redis.pipeline(transaction=False)
             for rid in chunk:
-                pipe.exists(keys.result(rid))
+                self._answers.exists(pipe, rid)
             try:
                 found = pipe.execute()
             except REDIS_ERRORS:
@@ -373,15 +303,13 @@ class BulkScorer:
     def _write_results(self, ids: list[str]) -> None:
         if not ids:
             return
-        keys = self.client.keys()
         r = self.client.redis
         try:
-            raw = cast(list[bytes | None], r.mget([keys.result(rid) for rid in ids]))
+            raw = self._answers.read(r, ids)
         except REDIS_ERRORS:
             return  # still in flight: the next sweep finds their results
         try:  # read once: free Redis now (or they expire), the id's claim with them
-            r.delete(*(k for rid in ids
-                       for k in (keys.result(rid), keys.done(rid), keys.owner(rid))))
+            self._owners.free(r, ids)
         except REDIS_ERRORS:
             pass
         now = time.monotonic()
@@ -393,7 +321,7 @@ class BulkScorer:
                 continue
             self._write_result(flight, ResultEnvelope.decode(data), (now - flight.sent) * 1000)
         self.writer.flush()
-        self._backoff.wake()  # our jobs left the queue: room for refused ones, if any
+        self._line.clock.wake()  # our jobs left the queue: room for refused ones, if any
 
     def _write_result(self, flight: _InFlight, result: ResultEnvelope, latency_ms: float) -> None:
         item = flight.item
@@ -421,7 +349,6 @@ class BulkScorer:
         for rid in late:
             item = self._inflight.pop(rid).item
             self._write_error(item, "timeout", f"no result within {self.settings.timeout_s:g}s")
-        while self._refused and (self._refused[0].since or limit) < limit:
-            item = self._refused.popleft().item
+        for item in self._line.expired(limit):
             self._write_error(item, "timeout", f"not admitted within "
                               f"{self.settings.timeout_s:g}s: the queue stayed full")

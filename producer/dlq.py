@@ -1,59 +1,30 @@
-"""The dead-letter stream, for people: list, retry and purge (the ``redbatch dlq`` command)."""
+"""The dead-letter stream, for people: list, retry and purge (the ``redbatch dlq`` command).
+
+The stream's commands and record fields belong to ``DeadLetters``, and a request id's keys
+to ``OwnerKeys`` (common/protocol): this module decides what to list, requeue or delete."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import redis
-from redbatch.common.protocol import (
-    DLQ_AT_MS,
-    DLQ_DELIVERIES,
-    DLQ_ENTRY,
-    DLQ_REASON,
-    DLQ_SOURCE,
-    FIELD_JOB,
-    FIELD_REQUEST_ID,
-    OWNER_TTL_PAD_MS,
-    Keys,
-    parse_queue_bound,
-)
-
-Entry = tuple[bytes, dict[bytes, bytes]]
-
-
-def _text(value: bytes | None) -> str:
-    return (value or b"").decode(errors="replace")
-
-
-def _xrange(r: redis.Redis, key: str, **kw: Any) -> list[Entry]:
-    # redis-py types replies loosely; a client without decode_responses returns bytes.
-    return cast(list[Entry], r.xrange(key, **kw) or [])
+from redbatch.common.protocol import DeadLetters, Keys, OwnerKeys, parse_queue_bound
 
 
 def entries(r: redis.Redis, keys: Keys, count: int | None = None) -> Iterator[dict[str, Any]]:
     """Dead letters, oldest first, as JSON-friendly dicts (the job body is summarised)."""
-    for entry_id, fields in _xrange(r, keys.dlq(), count=count):
-        job = fields.get(FIELD_JOB.encode(), b"")
+    for letter in DeadLetters(keys).range(r, count):
         yield {
-            "dlq_id": _text(entry_id),
-            "request_id": _text(fields.get(FIELD_REQUEST_ID.encode())),
-            "reason": _text(fields.get(DLQ_REASON.encode())),
-            "deliveries": int(fields.get(DLQ_DELIVERIES.encode(), b"0") or 0),
-            "source": _text(fields.get(DLQ_SOURCE.encode())),
-            "entry": _text(fields.get(DLQ_ENTRY.encode())),
-            "at_ms": int(fields.get(DLQ_AT_MS.encode(), b"0") or 0),
-            "job_bytes": len(job),
+            "dlq_id": letter.dlq_id.decode(errors="replace"),
+            "request_id": letter.request_id,
+            "reason": letter.reason,
+            "deliveries": letter.deliveries,
+            "source": letter.source,
+            "entry": letter.entry,
+            "at_ms": letter.at_ms,
+            "job_bytes": len(letter.job),
         }
-
-
-def _selected(r: redis.Redis, keys: Keys, ids: list[str]) -> list[Entry]:
-    if not ids:
-        return _xrange(r, keys.dlq())
-    found: list[Entry] = []
-    for dlq_id in ids:
-        found += _xrange(r, keys.dlq(), min=dlq_id, max=dlq_id)
-    return found
 
 
 class RetryQueueFull(Exception):
@@ -72,10 +43,10 @@ def retry(r: redis.Redis, keys: Keys, ids: list[str]) -> int:
     in the same transaction, so its client can wait for the new one. Lane bounds are
     respected (raises RetryQueueFull when one is reached). Returns how many were requeued.
     """
+    dead, owners = DeadLetters(keys), OwnerKeys(keys)
     done = 0
-    for dlq_id, fields in _selected(r, keys, ids):
-        rid = _text(fields.get(FIELD_REQUEST_ID.encode()))
-        source = _text(fields.get(DLQ_SOURCE.encode()))
+    for letter in dead.select(r, ids):
+        rid, source = letter.request_id, letter.source
         if not rid or source not in keys.streams():
             continue  # nothing to answer, or not a stream of this model: only purge helps
         lane = source.rsplit(":", 1)[-1]
@@ -85,18 +56,17 @@ def retry(r: redis.Redis, keys: Keys, ids: list[str]) -> int:
         if bound is not None and int(r.xlen(source)) >= bound:
             raise RetryQueueFull(done, source, bound)
         pipe = r.pipeline(transaction=True)
-        pipe.delete(keys.result(rid), keys.done(rid), keys.owner(rid))
-        pipe.xadd(source, {FIELD_REQUEST_ID: rid,
-                           FIELD_JOB: fields.get(FIELD_JOB.encode(), b"")})
-        pipe.xdel(keys.dlq(), dlq_id)
-        entry_id = pipe.execute()[1]
+        owners.free(pipe, [rid])
+        requeued_at = len(pipe)
+        dead.requeue(pipe, letter)
+        entry_id = pipe.execute()[requeued_at]
         # The new entry owns the id (a worker that read it first has claimed it the same).
-        r.set(keys.owner(rid), entry_id, nx=True, px=OWNER_TTL_PAD_MS)
+        owners.retake(r, rid, entry_id)
         done += 1
     return done
 
 
 def purge(r: redis.Redis, keys: Keys, ids: list[str]) -> int:
     """Delete dead letters (all when ``ids`` is empty); returns how many."""
-    selected = [dlq_id for dlq_id, _ in _selected(r, keys, ids)]
-    return int(r.xdel(keys.dlq(), *selected)) if selected else 0
+    dead = DeadLetters(keys)
+    return dead.delete(r, [letter.dlq_id for letter in dead.select(r, ids)])

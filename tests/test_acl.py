@@ -22,8 +22,8 @@ import pytest
 import redis
 from click.testing import CliRunner
 from conftest import SAMPLES, TEST_MODEL
+from redbatch.cli import main
 from redbatch.cli.acl_rules import Role, build_user, server_version
-from redbatch.cli.commands import main
 from redbatch.cli.redis_server import RedisServer
 from redbatch.common.protocol import ADMIT_SCRIPT, GROUP, Keys, Lane
 from redbatch.producer.client import Client

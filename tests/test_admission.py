@@ -23,7 +23,7 @@ import redis
 from click.testing import CliRunner
 from conftest import SAMPLES, TEST_MODEL, WorkerFactory
 from PIL import Image
-from redbatch.cli.commands import main
+from redbatch.cli import main
 from redbatch.common import protocol as p
 from redbatch.common.protocol import (
     ADMIT_SCRIPT,

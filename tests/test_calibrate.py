@@ -12,16 +12,14 @@ import pytest
 import redis
 from conftest import SAMPLES, WorkerFactory
 from redbatch.common.protocol import Keys
-from redbatch.gpu_worker.tuning.calibrate import (
-    batch_sizes,
-    between_sizes,
+from redbatch.gpu_worker.tuning.calibrate import batch_sizes, between_sizes, stop_reason
+from redbatch.gpu_worker.tuning.profile import MAX_OUTPUT_ERROR, Row, Variant, load_profile
+from redbatch.gpu_worker.tuning.variants import (
     candidate_variants,
     cpu_has_native_bf16,
     cxx_compiler_found,
     parse_variant,
-    stop_reason,
 )
-from redbatch.gpu_worker.tuning.profile import MAX_OUTPUT_ERROR, Row, Variant, load_profile
 from redbatch.producer.client import Client
 
 PROFILE_KEYS = {"schema", "model", "model_spec", "fingerprint", "device", "torch_version",

@@ -18,7 +18,8 @@ from conftest import (
     redis_server_pids,
     shm_entries,
 )
-from redbatch.cli.commands import build_settings, main, worker
+from redbatch.cli import main
+from redbatch.cli.worker import build_settings, worker
 
 CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat"}
 

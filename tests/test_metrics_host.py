@@ -8,8 +8,8 @@ import urllib.request
 
 import psutil
 from conftest import WorkerFactory
-from redbatch.cli.commands import worker
 from redbatch.cli.redis_server import free_port
+from redbatch.cli.worker import worker
 from redbatch.common.config import Settings
 
 

@@ -13,9 +13,10 @@ import torch
 from conftest import SAMPLES
 from PIL import Image
 from redbatch.common.config import LimitSettings
-from redbatch.gpu_worker.model import ModelRunner, next_batch_limit, resolve_device
-from redbatch.gpu_worker.tuning.calibrate import cxx_compiler_found
+from redbatch.gpu_worker.device import next_batch_limit, resolve_device
+from redbatch.gpu_worker.model import ModelRunner
 from redbatch.gpu_worker.tuning.profile import Variant
+from redbatch.gpu_worker.tuning.variants import cxx_compiler_found
 from redbatch.handlers.base import Handler
 from redbatch.handlers.decode import normalise_into, open_image, resize_center_crop
 from redbatch.handlers.efficientnet_lite import load_efficientnet_lite0

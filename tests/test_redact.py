@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from conftest import SAMPLES, TEST_MODEL
 from hypothesis import given
 from hypothesis import strategies as st
-from redbatch.cli.commands import main
+from redbatch.cli import main
 from redbatch.cli.local_stack import count_consumers
 from redbatch.cli.redis_server import RedisServer
 from redbatch.common.config import RedisSettings, check_redis_url, redact_url

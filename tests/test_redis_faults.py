@@ -112,8 +112,9 @@ def test_keys_of_another_type_where_answers_go_never_end_a_worker(
                               timeout_s=300)]
         good = [client.job(CAT, timeout_s=300) for _ in range(12)]
         client.submit_jobs([victims[0], *good[:6], victims[1], *good[6:], victims[2]])
-        worker = start_worker("--model-name", "null", "--max-batch-size", "16",
-                              "--max-wait-ms", "300", model="null")
+        # All 15 jobs fill one batch (a long wait covers slow preprocessing on a busy box).
+        worker = start_worker("--model-name", "null", "--max-batch-size", "15",
+                              "--max-wait-ms", "5000", model="null")
         wait_until(lambda: r.xlen(keys.stream(Lane.INTERACTIVE)) == 0 and
                    r.exists(keys.dlq()) and r.xlen(keys.dlq()) == 3, 60, "every entry answered")
         assert worker.poll() is None, "the worker is alive"

@@ -17,7 +17,7 @@ import pytest
 import redis
 from click.testing import CliRunner
 from conftest import SAMPLES, WorkerFactory
-from redbatch.cli.commands import main
+from redbatch.cli import main
 from redbatch.cli.fleet_state import FleetStatus, ModelStatus, _window, gather
 from redbatch.cli.fleet_view import HOME, LANE_COLUMNS, WORKER_COLUMNS, render
 from redbatch.cli.local_stack import stop_worker

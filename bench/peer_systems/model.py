@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 from redbatch.common.config import LimitSettings
-from redbatch.gpu_worker.model import precision, prepare_model
-from redbatch.gpu_worker.tuning.calibrate import parse_variant
+from redbatch.gpu_worker.device import precision, prepare_model
+from redbatch.gpu_worker.tuning.variants import parse_variant
 from redbatch.handlers import EfficientNetLite0
 
 #: Variable that sets the torch intra-op threads of a peer's model process; unset: all cores.

@@ -1,10 +1,13 @@
 """The wire protocol: Redis key names, the job and result envelopes, error codes, the
-admission script and the fleet's records.
+admission script, the fleet's records, and the owners of the keys' lifecycles.
 
 This package mirrors PROTOCOL.md, which is the single source of truth for clients in any
 language, section by section: names and keys (keys.py, the only module that spells a Redis
 key, stream, group or field name), envelopes and their limits (envelopes.py), admission
-(admission.py) and fleet status records (fleet.py). Import from the package:
+(admission.py), fleet status records (fleet.py), and the lifecycle of the keys a request
+leaves (request_keys.py: owner, result, done and reply keys) and of the dead-letter stream
+(dead_letters.py): as in rq's registries, one class owns each key family and is the only
+code that writes it. Import from the package:
 ``from redbatch.common.protocol import Keys, JobEnvelope``.
 """
 
@@ -21,6 +24,13 @@ from redbatch.common.protocol.admission import (
     error_reply_code,
     owner_ttl_ms,
     parse_queue_bound,
+)
+from redbatch.common.protocol.dead_letters import (
+    DeadLetter,
+    DeadLetterEntry,
+    DeadLetters,
+    dead_letter,
+    own_fields,
 )
 from redbatch.common.protocol.envelopes import (
     MAX_ARRAY_LEN,
@@ -72,10 +82,12 @@ from redbatch.common.protocol.keys import (
     valid_request_id,
     validate_name,
 )
+from redbatch.common.protocol.request_keys import AnswerKeys, OwnerKeys, ReplyList
 
 __all__ = [
     "ADMIT_ERROR_CODES",
     "ADMIT_SCRIPT",
+    "AnswerKeys",
     "BAD_CALL_REPLY",
     "DEFAULT_PREFIX",
     "DLQ_AT_MS",
@@ -86,6 +98,9 @@ __all__ = [
     "DLQ_SOURCE",
     "DONE_TOKEN",
     "DUPLICATE_REPLY",
+    "DeadLetter",
+    "DeadLetterEntry",
+    "DeadLetters",
     "ErrorCode",
     "FIELD_JOB",
     "FIELD_REQUEST_ID",
@@ -108,21 +123,25 @@ __all__ = [
     "NOPERM_REPLY",
     "NO_DEADLINE_OWNER_TTL_MS",
     "OWNER_TTL_PAD_MS",
+    "OwnerKeys",
     "PROTOCOL_VERSION",
     "ProtocolError",
     "QUEUE_FULL_REPLY",
     "RECENT_MAX",
     "RECENT_TTL_MS",
     "RecentResult",
+    "ReplyList",
     "ResultEnvelope",
     "Status",
     "TIMING_NAMES",
     "WORKERS_TTL_MS",
     "WORKER_RECORD_TTL_MS",
     "WorkerRecord",
+    "dead_letter",
     "error_reply_code",
     "job_stream_pattern",
     "new_request_id",
+    "own_fields",
     "owner_ttl_ms",
     "packb",
     "parse_job_stream",

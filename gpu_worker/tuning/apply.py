@@ -36,10 +36,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-CALIBRATE_MODES = ("auto", "load", "off")
-#: Settings a profile may set (the names used in TuneSettings.explicit).
-TUNABLE = ("max_batch_size", "channels_last", "autocast", "compile")
-
 
 @dataclass(slots=True)
 class Tuned:
@@ -161,7 +157,7 @@ def tune(settings: Settings, handler: Handler) -> Tuned:
     Raises ValueError for a device that does not exist.
     """
     import torch
-    from redbatch.gpu_worker.model import choose_torch_threads, cpu_lanes, resolve_device
+    from redbatch.gpu_worker.device import choose_torch_threads, cpu_lanes, resolve_device
 
     device = resolve_device(settings.model.device)
     lanes = cpu_lanes(settings.model.cpu_lanes) if device.type == "cpu" else 1
@@ -180,9 +176,8 @@ def _with_profile(settings: Settings, handler: Handler,
         CONTENDED_SHARE,
         CalibrationSettings,
         calibrate,
-        device_info,
-        fingerprint,
     )
+    from redbatch.gpu_worker.tuning.variants import device_info, fingerprint
 
     mode = settings.tune.calibrate
     if mode == "off":

@@ -1,0 +1,90 @@
+"""``redbatch calibrate``: measure the model alone on the device and store its profile.
+
+The measuring is ``gpu_worker/tuning/calibrate.py``'s; this module only parses the
+options and picks the threads and lanes the worker would run with.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+from redbatch.cli import options as o
+from redbatch.common.logs import setup_logging
+
+if TYPE_CHECKING:
+    from redbatch.gpu_worker.tuning.calibrate import CalibrationSettings
+
+
+@click.command()
+@o.MODEL()
+@o.DEVICE()
+# The sweep's own budget, given per run: no variable, and no limit unless given.
+@o.LATENCY_BUDGET_MS(envvar=None, default=None,
+                     help="Largest p95 latency of one batch, ms; sizes over it are not chosen.")
+@click.option("--max-batch", type=click.IntRange(min=1), default=None,
+              help="Largest batch size tried [default: 64 on CPU, 512 on CUDA; the sweep "
+                   "also stops at the free-memory watermark or when throughput falls].")
+@click.option("--runs", type=click.IntRange(min=1), default=7, show_default=True,
+              help="Timed runs per batch size and variant.")
+@click.option("--warmup-runs", type=click.IntRange(min=0), default=2, show_default=True,
+              help="Untimed runs per batch size and variant first.")
+@click.option("--variant", "variants", multiple=True,
+              help="Measure only this variant (repeatable): eager, channels_last, fp16, bf16, "
+                   "compile, or a '+' combination such as channels_last+fp16.")
+# Not the worker's --compile (serve compiled): whether to measure compiled variants too.
+@click.option("--compile/--no-compile", "try_compile", default=None,
+              help="Also try torch.compile [default: on CPU when a C++ compiler is installed; "
+                   "5-35 s of compilation per batch size the first time, seconds after].")
+@o.POOL_PROCESSES(help="The worker's preprocessing processes (they decide its torch threads).")
+@o.TORCH_THREADS(help="Torch threads to measure with; 0: what the worker would use.")
+@o.CPU_LANES(help="CPU: batches run at once, as the worker runs them; 0: what the worker "
+                  "would use.")
+@o.MEMORY_WATERMARK(help="CUDA: share of device memory the sweep leaves free.")
+@o.PROFILE_DIR(help="Where profiles are stored (default: ~/.cache/redbatch/profiles).")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="Profile file to write [default: <profile dir>/<model>--<device>.json].")
+@o.LOG_LEVEL(default="WARNING")
+def calibrate(**options: Any) -> None:
+    """Measure the model alone on the device and store its profile for `redbatch worker`.
+
+    Times batch sizes 1, 2, 4, ... for each device-path variant, picks the smallest
+    batch size reaching 95% of the peak throughput within the latency budget and the
+    fastest variant, and prints the table and the choice.
+    """
+    from redbatch.gpu_worker.malloc_tuning import reexec_with_malloc_tuning
+
+    reexec_with_malloc_tuning("redbatch.cli")  # measure under the worker's malloc
+    setup_logging(options.pop("log_level"))
+    # Imported here: torch loads with these, which the other commands never need.
+    from redbatch.gpu_worker.device import choose_torch_threads, cpu_lanes, resolve_device
+    from redbatch.gpu_worker.tuning.calibrate import calibrate_to_file, format_table
+
+    try:
+        kind = resolve_device(options["device"]).type
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    lanes = cpu_lanes(options["cpu_lanes"]) if kind == "cpu" else 1
+    threads = choose_torch_threads(options["torch_threads"], options["pool_processes"], kind,
+                                   lanes)
+    out = Path(options["out"]) if options["out"] else None
+    try:
+        profile, path = calibrate_to_file(
+            options["model_spec"], options["device"], threads, _settings(options, lanes), out,
+            options["profile_dir"], click.echo)
+    except ValueError as e:  # a bad --model, --device or --variant
+        raise click.ClickException(str(e)) from e
+    click.echo(format_table(profile))
+    click.echo(f"profile written to {path}")
+
+
+def _settings(options: dict[str, Any], lanes: int) -> CalibrationSettings:
+    """The sweep's CalibrationSettings, from the parsed options."""
+    from redbatch.gpu_worker.tuning.calibrate import CalibrationSettings
+
+    return CalibrationSettings(
+        max_batch=options["max_batch"], latency_budget_ms=options["latency_budget_ms"],
+        runs=options["runs"], warmup_runs=options["warmup_runs"],
+        try_compile=options["try_compile"], variants=tuple(options["variants"]),
+        memory_watermark=options["memory_watermark"], lanes=lanes)

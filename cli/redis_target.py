@@ -1,0 +1,59 @@
+"""The Redis a command talks to: the one given with --redis, or a private stack without it.
+
+Every client the CLI builds comes from ``common/redis_io.py``'s ``connect``
+(timeouts on every socket): the commands' through :func:`connect_to`, which
+checks the URL and prefix first; the private-stack supervisors' directly, for
+URLs they made themselves. The producer's ``Client`` builds its own the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import click
+import redis
+from redbatch.cli.local_stack import LocalStack
+from redbatch.cli.options import served_name
+from redbatch.cli.redis_server import RedisServerError
+from redbatch.common.config import RedisSettings
+from redbatch.common.redis_io import connect
+
+
+def connect_to(url: str, prefix: str | None = None) -> redis.Redis:
+    """A client for ``url`` (with ``prefix`` checked when given); a bad URL or prefix is a
+    one-line error. Connecting is lazy: the first command reaches the server."""
+    try:
+        settings = (RedisSettings.from_dsn(url) if prefix is None
+                    else RedisSettings.from_dsn(url, prefix))
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    return connect(settings)
+
+
+@contextmanager
+def unreachable_is_one_line(what: str = "cannot reach Redis") -> Iterator[None]:
+    """A lost or refused connection ends the command with ``what: <error>``, no traceback."""
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        raise click.ClickException(f"{what}: {e}") from e
+
+
+@contextmanager
+def redis_for(options: dict[str, Any]) -> Iterator[str]:
+    """The configured Redis URL; with none, a private redis-server and local worker that
+    are stopped (in that order: worker first) when the block ends."""
+    if options["redis_url"]:
+        yield options["redis_url"]
+        return
+    try:
+        # The private worker's start-up lines would bury the command's own output.
+        quiet = [] if options["log_level"].upper() == "DEBUG" else ["--log-level", "WARNING"]
+        with LocalStack(options["model_spec"], served_name(options), options["prefix"],
+                        quiet) as stack:
+            stack.wait_ready()
+            yield stack.url
+    except RedisServerError as e:
+        raise click.ClickException(str(e)) from e

@@ -1,0 +1,116 @@
+"""``redbatch score``: score many inputs into one output file, resumably.
+
+The scoring is ``producer/bulk.py``'s :class:`BulkScorer`; this module parses the
+options, finds the Redis (or starts a private stack), and turns what can go wrong
+into one line and an exit code.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import click
+import redis
+from redbatch.cli import options as o
+from redbatch.cli.local_stack import count_consumers
+from redbatch.cli.redis_target import redis_for
+from redbatch.cli.signals import signals_raise, signals_stop
+from redbatch.common.config import default_of
+from redbatch.common.logs import setup_logging
+from redbatch.common.protocol import Lane
+from redbatch.producer.bulk import BulkScorer, ScoreSettings
+from redbatch.producer.client import Client
+from redbatch.producer.inputs import ManifestError, count_items, iter_items
+from redbatch.producer.output import DoneIndex, OutputWriter
+from redbatch.producer.progress import Progress
+
+logger = logging.getLogger(__name__)
+
+
+@click.command()
+@o.common_options
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="Output file: one record per input.")
+@o.opt("--format", "fmt", env="FORMAT", type=click.Choice(["jsonl", "csv"]), default=None,
+       help="Output format; default: from the output's suffix (.csv), else jsonl.")
+@o.opt("--resume", env="RESUME", is_flag=True, default=False,
+       help="Skip inputs already in the output file and append the rest.")
+@o.opt("--overwrite", env="OVERWRITE", is_flag=True, default=False,
+       help="Replace an existing output file.")
+@o.opt("--window", env="WINDOW", type=click.IntRange(min=1),
+       default=default_of(ScoreSettings, "window"), help="Jobs in flight at most.")
+@o.TIMEOUT_S(default=default_of(ScoreSettings, "timeout_s"),
+             help="Deadline of each job, seconds; late ones are written as 'timeout'.")
+@o.opt("--grace-s", env="GRACE_S", type=click.FloatRange(min=0),
+       default=default_of(ScoreSettings, "grace_s"),
+       help="After Ctrl-C/SIGTERM, how long jobs in flight are still collected.")
+@o.LANE(default=default_of(ScoreSettings, "lane").value)
+def score(inputs: tuple[str, ...], output: str, fmt: str | None, resume: bool,
+          overwrite: bool, window: int, timeout_s: float, grace_s: float, lane: str,
+          **options: Any) -> None:
+    """Score INPUTS (images, folders, .txt or .jsonl manifests) into an output file.
+
+    Per-input failures are records in the output; the exit code is non-zero only when
+    the run could not complete (1) or was interrupted (130; rerun with --resume).
+    """
+    setup_logging(options["log_level"])
+    fmt = fmt or ("csv" if output.lower().endswith(".csv") else "jsonl")
+    if Path(output).exists() and not (resume or overwrite):
+        raise click.ClickException(f"{output} exists: use --resume to finish it or "
+                                   "--overwrite to replace it")
+    settings = ScoreSettings(window=window, lane=Lane(lane), timeout_s=timeout_s,
+                             grace_s=grace_s)
+    existed = Path(output).exists()
+    try:
+        complete = _score(inputs, output, fmt, resume, settings, options)
+    except ManifestError as e:
+        _remove_if_empty(output, fmt, existed)
+        raise click.ClickException(str(e)) from e
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        raise click.ClickException(f"lost the connection to Redis: {e}; the output holds "
+                                   "what was finished, rerun with --resume") from e
+    except redis.ResponseError as e:  # NOPERM, OOM, READONLY...: said by Redis, one line
+        raise click.ClickException(f"Redis refused: {e}; the output holds what was "
+                                   "finished, rerun with --resume") from e
+    sys.exit(0 if complete else 130)
+
+
+def _remove_if_empty(output: str, fmt: str, existed: bool) -> None:
+    """A run that failed before writing any record leaves no output file behind."""
+    path = Path(output)
+    if existed or not path.exists():
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = sum(1 for _ in f)
+    if lines == 0 or (fmt == "csv" and lines == 1):  # nothing, or the CSV header alone
+        path.unlink()
+
+
+def _score(inputs: tuple[str, ...], output: str, fmt: str, resume: bool,
+           settings: ScoreSettings, options: dict[str, Any]) -> bool:
+    """Run the scorer to the end or to a stop signal; True when every input was done."""
+    done = DoneIndex.from_output(output, fmt) if resume else DoneIndex.empty()
+    name = o.served_name(options)
+    with signals_raise(), redis_for(options) as url, \
+            Client(url, model=name, prefix=options["prefix"]) as client:
+        if count_consumers(client.redis, client.keys()) == 0:
+            logger.warning("no worker is serving model %r yet; jobs wait in Redis until one "
+                           "starts", name)
+        writer = OutputWriter(output, fmt, append=resume)
+        scorer = BulkScorer(client, writer, settings, done)
+        scorer.progress = progress = Progress(scorer.stats)
+        # Counting a large tree or manifest takes a while; the run need not wait for it.
+        threading.Thread(target=lambda: setattr(progress, "total", count_items(inputs)),
+                         name="count-inputs", daemon=True).start()
+        try:
+            with signals_stop(scorer.stop, scorer.stop):
+                complete = scorer.run(iter_items(inputs))
+        finally:
+            writer.close()
+            click.echo(scorer.stats.summary(), err=True)
+    return complete

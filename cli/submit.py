@@ -1,0 +1,36 @@
+"""``redbatch submit``: send image files to a model, and print one JSON line per file."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from redbatch.cli import options as o
+from redbatch.cli.redis_target import redis_for
+from redbatch.cli.signals import signals_raise
+from redbatch.common.logs import setup_logging
+from redbatch.common.protocol import Lane
+from redbatch.producer.inputs import iter_items
+from redbatch.producer.submit import submit_files
+
+
+@click.command()
+@o.common_options
+@click.argument("files", nargs=-1, required=True, type=click.Path())
+@o.opt("--wait/--no-wait", env="WAIT", default=False,
+       help="Wait for and print each result (always on with a private stack).")
+@o.TIMEOUT_S(default=60.0, help="Deadline of each job and how long to wait for it, seconds.")
+@o.LANE(default=Lane.INTERACTIVE.value)
+def submit(files: tuple[str, ...], wait: bool, timeout_s: float, lane: str,
+           **options: Any) -> None:
+    """Submit image FILES (or folders of images); print one JSON line per file."""
+    setup_logging(options["log_level"])
+    paths = [Path(item.path) for item in iter_items(files)]
+    # The private stack goes away when we return, so its results are always awaited.
+    wait = wait or not options["redis_url"]
+    with signals_raise(), redis_for(options) as url:
+        ok = submit_files(url, paths, model=o.served_name(options), prefix=options["prefix"],
+                          wait=wait, timeout_s=timeout_s, lane=lane)
+    sys.exit(0 if ok else 1)

@@ -1,0 +1,202 @@
+"""``redbatch worker``: serve a model. Options only parse; :func:`build_settings` turns
+them into the one :class:`Settings` object the worker receives.
+
+Every default comes from the settings dataclasses (``common/config.py``), read
+with :func:`default_of`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+from redbatch.cli import options as o
+from redbatch.cli.options import opt, together
+from redbatch.cli.signals import signals_stop
+from redbatch.common.config import (
+    BatchSettings,
+    LimitSettings,
+    ModelSettings,
+    PoolSettings,
+    RedisSettings,
+    Settings,
+    TuneSettings,
+    default_consumer_name,
+    default_of,
+)
+from redbatch.common.logs import setup_logging
+
+#: --autocast's choices: the flag's word for each ModelSettings.autocast dtype.
+AUTOCAST = {"off": "", "fp16": "float16", "bf16": "bfloat16"}
+_AUTOCAST_WORD = {dtype: word for word, dtype in AUTOCAST.items()}
+
+_batch_options = together(
+    opt("--max-batch-size", env="MAX_BATCH_SIZE", type=click.IntRange(min=1),
+        default=default_of(BatchSettings, "max_batch_size"),
+        help="Largest batch given to the model."),
+    opt("--max-wait-ms", env="MAX_WAIT_MS", type=click.FloatRange(min=0),
+        default=default_of(BatchSettings, "max_wait_ms"),
+        help="Longest the oldest request waits for its batch to fill, ms."),
+    opt("--max-inflight", env="MAX_INFLIGHT", type=click.IntRange(min=1),
+        default=default_of(BatchSettings, "max_inflight"),
+        help="Jobs read but not yet answered (= shared-memory slots)."),
+    opt("--bulk-max-wait-ms", env="BULK_MAX_WAIT_MS", type=click.FloatRange(min=0),
+        default=default_of(BatchSettings, "bulk_max_wait_ms"),
+        help="Longest the oldest bulk request waits for its batch to fill, ms."),
+    opt("--bulk-share", env="BULK_SHARE", type=click.FloatRange(min=0.01, max=1.0),
+        default=default_of(BatchSettings, "bulk_share"),
+        help="Share of a batch owed to bulk requests that went unserved for --bulk-starve-ms."),
+    opt("--bulk-starve-ms", env="BULK_STARVE_MS", type=click.FloatRange(min=0),
+        default=default_of(BatchSettings, "bulk_starve_ms"),
+        help="Longest waiting bulk requests go unserved before they are owed places, ms."),
+    opt("--bulk-batch-ms", env="BULK_BATCH_MS", type=click.FloatRange(min=0),
+        default=default_of(BatchSettings, "bulk_batch_ms"),
+        help="While interactive requests are arriving, the longest expected run time of a "
+             "batch holding bulk requests, ms (0: no limit). Bounds how long interactive "
+             "requests wait behind bulk work; bulk-only traffic always gets full batches."),
+)
+
+_process_options = together(
+    o.POOL_PROCESSES(),
+    opt("--shm-prefix", env="SHM_PREFIX", default=default_of(PoolSettings, "shm_prefix"),
+        help="Start of the worker's /dev/shm names (1-12 of A-Z a-z 0-9 _); at start a worker "
+             "removes what dead workers with the same prefix left there."),
+    o.TORCH_THREADS(help="Torch intra-op threads; 0: on CPU each lane's share of the cores, "
+                         "on CUDA the cores minus pool processes."),
+    o.CPU_LANES(help="CPU: batches run at once, each on its own thread; 0: 2 with 2 cores "
+                     "or more."),
+    opt("--consumer", env="CONSUMER", default="",
+        help="Consumer name in the group; set a stable one to re-read own pending jobs "
+             "after a restart (default: host-pid-random)."),
+)
+
+_job_options = together(
+    opt("--result-ttl-s", env="RESULT_TTL_S", type=click.IntRange(min=1),
+        default=default_of(Settings, "result_ttl_s"),
+        help="Seconds a result is kept for its client."),
+    opt("--max-payload-bytes", env="MAX_PAYLOAD_BYTES", type=click.IntRange(min=1),
+        default=default_of(LimitSettings, "max_payload_bytes"), help="Largest accepted payload."),
+    opt("--max-image-pixels", env="MAX_IMAGE_PIXELS", type=click.IntRange(min=1),
+        default=default_of(LimitSettings, "max_image_pixels"),
+        help="Largest accepted image, in pixels."),
+    opt("--reclaim-idle-ms", env="RECLAIM_IDLE_MS", type=click.IntRange(min=100),
+        default=default_of(Settings, "reclaim_idle_ms"),
+        help="Take over jobs pending this long on another (dead or stuck) worker, ms."),
+    opt("--max-deliveries", env="MAX_DELIVERIES", type=click.IntRange(min=1),
+        default=default_of(Settings, "max_deliveries"),
+        help="Deliveries after which a job is dead-lettered instead of run again."),
+    opt("--batch-timeout-s", env="BATCH_TIMEOUT_S", type=click.FloatRange(min=0.1),
+        default=default_of(Settings, "batch_timeout_s"),
+        help="A batch running longer means a hung device: exit (code 3) for a restart."),
+)
+
+_serve_options = together(
+    opt("--metrics-port", env="METRICS_PORT", type=click.IntRange(min=0, max=65535),
+        default=default_of(Settings, "metrics_port"),
+        help="Port serving /metrics (Prometheus), /healthz and /readyz; 0 turns them off."),
+    opt("--metrics-host", env="METRICS_HOST", default=default_of(Settings, "metrics_host"),
+        help="Address the metrics port listens on; 0.0.0.0 for a Prometheus elsewhere "
+             "(the endpoints have no authentication)."),
+    opt("--burst", env="BURST", is_flag=True, default=default_of(Settings, "burst"),
+        help="Exit once the streams are empty and every job is answered."),
+)
+
+#: How the device path is tuned: the calibration profile and its overrides.
+_tuning_options = together(
+    opt("--calibrate", env="CALIBRATE", type=click.Choice(TuneSettings.CALIBRATE_MODES),
+        default=default_of(TuneSettings, "calibrate"),
+        help="auto: load this model's and device's calibration profile, or calibrate "
+             "quickly and store one when there is none; load: only load; off: no profile."),
+    o.PROFILE_DIR(),
+    o.LATENCY_BUDGET_MS(help="p95 batch latency allowed when calibrating, ms (0: no limit)."),
+    opt("--channels-last/--no-channels-last", env="CHANNELS_LAST",
+        default=default_of(ModelSettings, "channels_last"),
+        help="Run the model in channels_last memory format (default: the profile's)."),
+    opt("--autocast", env="AUTOCAST", type=click.Choice(sorted(AUTOCAST)),
+        default=_AUTOCAST_WORD[default_of(ModelSettings, "autocast")],
+        help="Autocast precision (default: the profile's; fp16/bf16 mainly for CUDA)."),
+    opt("--compile/--no-compile", env="COMPILE", default=default_of(ModelSettings, "compile"),
+        help="torch.compile the model; batches are padded to the compiled sizes."),
+    o.MEMORY_WATERMARK(help="CUDA: share of device memory kept free by lowering the "
+                            "batch limit."),
+)
+
+
+@click.command()
+@o.common_options
+@o.DEVICE()
+@_batch_options
+@_process_options
+@_job_options
+@_serve_options
+@_tuning_options
+def worker(**options: Any) -> None:
+    """Serve a model: read jobs, batch them, write results."""
+    from redbatch.gpu_worker.malloc_tuning import reexec_with_malloc_tuning
+
+    reexec_with_malloc_tuning("redbatch.cli")
+    setup_logging(options["log_level"])
+    options["explicit"] = _explicit(click.get_current_context())
+    try:
+        settings = build_settings(options)
+    except ValueError as e:  # a bad --prefix, --model-name or --shm-prefix: one line
+        raise click.ClickException(str(e)) from e
+    # Imported here: torch loads with it, which the other commands never need.
+    from redbatch.gpu_worker.loop import Worker
+
+    w = Worker(settings)
+    with signals_stop(w.stop, w.abort):
+        try:
+            w.run()
+        except ValueError as e:  # a bad --model or --device: say so, without a traceback
+            raise click.ClickException(str(e)) from e
+    if w.device_failed:
+        sys.exit(3)  # for the supervisor: restart me
+
+
+def _explicit(ctx: click.Context) -> frozenset[str]:
+    """Tunable options given by flag or REDBATCH_* variable, which a profile never overrides."""
+    given = (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)
+    return frozenset(name for name in TuneSettings.TUNABLE
+                     if ctx.get_parameter_source(name) in given)
+
+
+def build_settings(options: dict[str, Any]) -> Settings:
+    """The one Settings object, from the worker's parsed options (flags or REDBATCH_*
+    variables); ValueError for a bad URL, prefix, model name or shm prefix."""
+    return Settings(
+        redis=RedisSettings.from_dsn(o.url_or_default(options), options["prefix"]),
+        batch=BatchSettings(max_batch_size=options["max_batch_size"],
+                            max_wait_ms=options["max_wait_ms"],
+                            max_inflight=max(options["max_inflight"], options["max_batch_size"]),
+                            bulk_max_wait_ms=options["bulk_max_wait_ms"],
+                            bulk_share=options["bulk_share"],
+                            bulk_starve_ms=options["bulk_starve_ms"],
+                            bulk_batch_ms=options["bulk_batch_ms"]),
+        pool=PoolSettings(processes=options["pool_processes"],
+                          shm_prefix=options["shm_prefix"]),
+        limits=LimitSettings(max_payload_bytes=options["max_payload_bytes"],
+                             max_image_pixels=options["max_image_pixels"]),
+        model=_model_settings(options),
+        tune=TuneSettings(calibrate=options["calibrate"], profile_dir=options["profile_dir"],
+                          latency_budget_ms=options["latency_budget_ms"],
+                          memory_watermark=options["memory_watermark"],
+                          explicit=options.get("explicit", default_of(TuneSettings, "explicit"))),
+        consumer=options["consumer"] or default_consumer_name(),
+        result_ttl_s=options["result_ttl_s"],
+        burst=options["burst"],
+        reclaim_idle_ms=options["reclaim_idle_ms"],
+        max_deliveries=options["max_deliveries"],
+        metrics_port=options["metrics_port"],
+        metrics_host=options["metrics_host"],
+        batch_timeout_s=options["batch_timeout_s"],
+    )
+
+
+def _model_settings(options: dict[str, Any]) -> ModelSettings:
+    """What to serve and how to run it, from the worker's parsed options."""
+    return ModelSettings(spec=options["model_spec"], name=o.served_name(options),
+                         device=options["device"], torch_threads=options["torch_threads"],
+                         cpu_lanes=options["cpu_lanes"], channels_last=options["channels_last"],
+                         autocast=AUTOCAST[options["autocast"]], compile=options["compile"])

@@ -1,0 +1,142 @@
+"""The keys of a request id once admitted, and every command that writes them (PROTOCOL.md
+"Request ids are unique", "Results"): who owns the id (OwnerKeys), its answer (AnswerKeys:
+the result key and its done list) and the reply lists answers are announced on (ReplyList).
+
+As in rq's registries, each key family has one owning class, and this module is the only
+one that writes those keys. The classes do not run commands themselves: each verb queues its
+commands on the pipeline the caller gives (or runs them at once on a client), so a caller's
+transaction and round trips stay as they are. Key names come from :class:`Keys`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+import redis
+from redbatch.common.protocol.admission import OWNER_TTL_PAD_MS, owner_ttl_ms
+from redbatch.common.protocol.keys import DONE_TOKEN, Keys
+
+
+class OwnerKeys:
+    """The owner keys of one model's request ids (``Keys.owner``), each naming the stream
+    entry of the job that owns the id; see NOTE [ Request id owners ] in admission.py.
+
+    Lifecycle: set at admission, claimed when a worker reads the entry (:meth:`claim`), kept
+    as long as the result (:meth:`keep`), freed once the result was read (:meth:`free`) and
+    retaken by a retried dead letter (:meth:`retake`); else it expires. The admission script
+    sets it too, beside the checks it makes atomic with the XADD: that script is the
+    protocol's text, which clients in any language send as it is, so it stays in admission.py.
+    """
+
+    def __init__(self, keys: Keys) -> None:
+        self.keys = keys
+
+    def claim(self, pipe: redis.Redis, request_id: str, entry_id: bytes,
+              budget_ms: int | None) -> None:
+        """Queue a worker's claim of the id for the entry it read: SET NX GET, with the
+        admission TTL (``owner_ttl_ms(budget_ms)``). An owner already there is kept, and
+        the reply names it; read the reply with :meth:`rival`."""
+        pipe.set(self.keys.owner(request_id), entry_id, nx=True, get=True,
+                 px=owner_ttl_ms(budget_ms))
+
+    @staticmethod
+    def rival(reply: object, entry_id: bytes) -> bytes | None:
+        """The entry that owns the id instead of ``entry_id``, from :meth:`claim`'s reply;
+        None when the claim holds: the id was free or already this entry's (a job taken
+        over from a dead worker is the same entry). An owner key of another type (written
+        by hand) replies with an error, and then the id counts as free rather than letting
+        one odd key wedge the job."""
+        return reply if isinstance(reply, bytes) and reply != entry_id else None
+
+    def keep(self, pipe: redis.Redis, request_id: str, ttl_ms: int) -> str:
+        """Queue PEXPIRE of the id's owner key to its result's TTL, ms, so the id stays
+        taken exactly as long as its result can be read. Returns ``"PEXPIRE <key>"``, to
+        name the command in messages."""
+        key = self.keys.owner(request_id)
+        pipe.pexpire(key, ttl_ms)
+        return f"PEXPIRE {key}"
+
+    def free(self, pipe: redis.Redis, request_ids: Sequence[str]) -> None:
+        """Queue one DEL of the ids' owner keys together with their answers (result key
+        and done list): after the results were read, or before their dead letters are
+        requeued. One command, so no id is ever free while its old result is readable.
+        Queues nothing for no ids."""
+        answers = AnswerKeys(self.keys)
+        names = [name for rid in request_ids
+                 for name in (*answers.names(rid), self.keys.owner(rid))]
+        if names:
+            pipe.delete(*names)
+
+    def retake(self, pipe: redis.Redis, request_id: str, entry_id: bytes | str) -> None:
+        """Queue SET NX PX OWNER_TTL_PAD_MS naming a requeued entry as the id's owner. NX:
+        a worker that read the entry first has claimed the id for it the same way."""
+        pipe.set(self.keys.owner(request_id), entry_id, nx=True, px=OWNER_TTL_PAD_MS)
+
+
+class AnswerKeys:
+    """The answer to one model's request ids: the result key (``Keys.result``, the msgpack
+    ResultEnvelope) and the done list (``Keys.done``, one token once the result is written,
+    for clients to BLPOP). Written once by a worker (:meth:`write`); read by clients; deleted
+    by a client that read it, with the id's owner (:meth:`OwnerKeys.free`), or expired."""
+
+    def __init__(self, keys: Keys) -> None:
+        self.keys = keys
+
+    def names(self, request_id: str) -> tuple[str, str]:
+        """The result key and the done list of ``request_id``."""
+        return self.keys.result(request_id), self.keys.done(request_id)
+
+    def write(self, pipe: redis.Redis, request_id: str, encoded: bytes,
+              ttl_ms: int) -> list[str]:
+        """Queue the result (SET NX GET PX) and its wake-up token (RPUSH, PEXPIRE), both
+        living ``ttl_ms``. Returns ``"<command> <key>"`` per command queued, in order.
+
+        NX: a job run twice (taken over from a stuck worker) keeps its first result, so a
+        late write never changes what a client already read. GET makes a key of another
+        type planted there fail (WRONGTYPE) instead of passing for a first result."""
+        result, done = self.names(request_id)
+        pipe.set(result, encoded, px=ttl_ms, nx=True, get=True)
+        pipe.rpush(done, DONE_TOKEN)
+        pipe.pexpire(done, ttl_ms)
+        return [f"SET {result}", f"RPUSH {done}", f"PEXPIRE {done}"]
+
+    def exists(self, pipe: redis.Redis, request_id: str) -> None:
+        """Queue EXISTS of the id's result key (1 once it is written, 0 before)."""
+        pipe.exists(self.keys.result(request_id))
+
+    def read(self, r: redis.Redis, request_ids: Sequence[str]) -> list[bytes | None]:
+        """The encoded results of ``request_ids``, in order (None: not written, or expired),
+        in one MGET. Raises Redis errors as they come."""
+        return cast(list[bytes | None], r.mget([self.keys.result(rid) for rid in request_ids]))
+
+
+class ReplyList:
+    """A client's reply list (``Keys.reply``): workers push the request id of each answered
+    job whose envelope names the list (:meth:`announce`); its client pops the ids
+    (:meth:`pop`) and deletes the list when it is done (:meth:`delete`), or it expires."""
+
+    def __init__(self, key: str) -> None:
+        #: The list's key, as a job's ``reply_to`` names it.
+        self.key = key
+
+    def announce(self, pipe: redis.Redis, request_id: str, ttl_ms: int) -> list[str]:
+        """Queue RPUSH of ``request_id`` and PEXPIRE ``ttl_ms`` of the list. Returns
+        ``"<command> <key>"`` per command queued, in order."""
+        pipe.rpush(self.key, request_id)
+        pipe.pexpire(self.key, ttl_ms)
+        return [f"RPUSH {self.key}", f"PEXPIRE {self.key}"]
+
+    def pop(self, r: redis.Redis, wait_s: float, more: int) -> list[str]:
+        """Wait up to ``wait_s`` for an id (BLPOP), then take up to ``more`` others without
+        waiting (LPOP); [] when none came. Two round trips. Raises Redis errors as they
+        come: a BLPOP whose reply was lost has still taken its id."""
+        first = cast(tuple[bytes, bytes] | None, r.blpop([self.key], timeout=wait_s))
+        if first is None:
+            return []
+        rest = cast(list[bytes] | None, r.lpop(self.key, more)) or []
+        return [rid.decode() for rid in (first[1], *rest)]
+
+    def delete(self, r: redis.Redis) -> None:
+        """Delete the list (DEL)."""
+        r.delete(self.key)

@@ -1,0 +1,65 @@
+"""The steps the client's logic asks its face to run: Redis calls and pauses.
+
+The client's logic (``core.py``, ``wait.py``) does no I/O. Each operation is a generator
+that yields one step at a time and is sent the step's reply, or has the Redis error the
+step raised thrown into it at that ``yield``; its return value is the operation's.
+:class:`~redbatch.producer.client.Client` runs the steps blocking and
+:class:`~redbatch.producer.client.AsyncClient` awaits them. Neither face holds logic of
+its own, so the two cannot drift apart (the sans-I/O shape of h11 and wsproto).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+Arg = bytes | str | int | float
+"""One argument of a Redis command."""
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """One Redis command, ``args`` as sent (``("HGET", key, field)``); the reply comes back
+    as redis-py parses it.
+
+    ``due``: the monotonic time by which the reply must have come. A later one is a
+    ``redis.TimeoutError``, and the connection is dropped so that the late reply never
+    meets another command. None: only the socket timeout bounds the call.
+    """
+
+    args: tuple[Arg, ...]
+    due: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """One run of the protocol's admission script (EVALSHA, loading it on NOSCRIPT)."""
+
+    keys: list[str]
+    args: list[Arg]
+
+
+@dataclass(frozen=True, slots=True)
+class Pipelined:
+    """Calls sent in one round trip, not as a transaction; the reply is the list of their
+    replies. ``errors_as_replies``: an error reply takes its call's place in the list as
+    an exception instance; otherwise the first one is raised."""
+
+    calls: tuple[Command | Admit, ...]
+    errors_as_replies: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    """Sleep ``seconds``; the reply is None."""
+
+    seconds: float
+
+
+Step = Command | Admit | Pipelined | Pause
+
+Steps = Generator[Step, Any, T]
+"""An operation of the client: yields steps, returns a T."""

@@ -1,0 +1,73 @@
+"""What the client raises: refusals at submit (QueueFull, DuplicateRequestId) and the
+two ways a wait ends without a result (ResultTimeout, ResultUnreadable).
+
+Import them from ``redbatch.producer.client``, which re-exports them.
+"""
+
+from __future__ import annotations
+
+from redbatch.common.protocol import ErrorCode, Lane, ProtocolError
+
+
+class ResultTimeout(TimeoutError):
+    """No result arrived within the time the caller was willing to wait."""
+
+    def __init__(self, request_id: str, timeout_s: float) -> None:
+        super().__init__(f"no result for {request_id} within {timeout_s:g}s")
+        self.request_id = request_id
+
+
+class ResultUnreadable(ProtocolError):
+    """The result key of ``request_id`` holds something that is not a result envelope:
+    a key of another type (WRONGTYPE), or bytes that do not decode. Someone wrote it by
+    hand; the job's own answer cannot be read there. ``key`` names it."""
+
+    def __init__(self, request_id: str, key: str, why: str) -> None:
+        super().__init__(ErrorCode.BAD_ENVELOPE, f"{key} holds no result envelope: {why}",
+                         request_id)
+        self.key = key
+
+
+class QueueFull(Exception):
+    """Admission control refused jobs: their lane's queue is at its bound.
+
+    Refused jobs were not queued (nothing was dropped silently); submit them again
+    later. ``refused`` holds their request ids in submission order; ``accepted``
+    the ids of the jobs of the same call that were queued (always empty for
+    ``submit``). ``lane``, ``model`` and ``bound`` describe the first refusal.
+    """
+
+    code = ErrorCode.QUEUE_FULL
+
+    def __init__(self, model: str, lane: Lane, bound: int, refused: list[str],
+                 accepted: list[str] | None = None) -> None:
+        self.model = model
+        self.lane = lane
+        self.bound = bound
+        self.refused = refused
+        self.accepted = accepted or []
+        #: Ids of the same call refused because they were in use (see DuplicateRequestId).
+        self.duplicates: list[str] = []
+        self.message = (f"the {lane.value} queue of model {model!r} is at its bound of "
+                        f"{bound} jobs; submit again later")
+        if self.accepted:
+            self.message += (f" ({len(refused)} of {len(refused) + len(self.accepted)} jobs "
+                             f"refused, {len(self.accepted)} queued)")
+        elif len(refused) > 1:
+            self.message += f" ({len(refused)} jobs refused)"
+        super().__init__(f"{self.code.value}: {self.message}")
+
+
+class DuplicateRequestId(Exception):
+    """Refused at submit: these request ids belong to jobs already queued, running, or
+    with a result that has not expired. Nothing was queued for them. ``accepted`` holds
+    the ids of the jobs of the same call that were queued."""
+
+    code = ErrorCode.DUPLICATE_REQUEST_ID
+
+    def __init__(self, duplicates: list[str], accepted: list[str] | None = None) -> None:
+        self.duplicates = duplicates
+        self.accepted = accepted or []
+        self.message = (f"request id {duplicates[0]!r} is already in use"
+                        + (f" (and {len(duplicates) - 1} more)" if len(duplicates) > 1 else ""))
+        super().__init__(f"{self.code.value}: {self.message}")
