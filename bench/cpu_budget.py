@@ -32,7 +32,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import psutil
@@ -96,7 +96,7 @@ def snapshot(procs: dict[str, psutil.Process], worker: psutil.Process) -> dict[s
 def budget(before: dict[str, float], after: dict[str, float], jobs: int,
            names: dict[int, str]) -> dict[str, float]:
     """ms of CPU per job by part; worker threads merged by name, pool processes summed."""
-    parts: Counter[str] = Counter()
+    parts: defaultdict[str, float] = defaultdict(float)
     for key, end in after.items():
         ms = (end - before.get(key, 0.0)) * 1000 / max(jobs, 1)
         if key.startswith("thread:"):
@@ -106,7 +106,8 @@ def budget(before: dict[str, float], after: dict[str, float], jobs: int,
             parts["pool processes (decode)"] += ms
         elif key != "worker":  # the worker's own total is the sum of its threads
             parts[key] += ms
-    return {k: v for k, v in parts.most_common() if v >= 0.005}
+    ranked = sorted(parts.items(), key=lambda kv: kv[1], reverse=True)  # as most_common()
+    return {k: v for k, v in ranked if v >= 0.005}
 
 
 def record(pid: int, seconds: float, name: str) -> subprocess.Popen[bytes] | None:

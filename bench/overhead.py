@@ -44,7 +44,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import cast
 
 import redis
 from harness import (
@@ -66,7 +66,9 @@ from harness import (
 )
 from redbatch.cli.redis_server import RedisServer
 from redbatch.common.protocol import ResultEnvelope, Status
+from redbatch.common.redis_io import StreamEntry
 from redbatch.producer.client import Client
+from redis.client import Pipeline
 
 MODEL = "null"
 TARGET = 0.5
@@ -104,8 +106,8 @@ class RawTarget:
             job = self.maker.job(next(self._payloads))
             pipe.xadd(RAW_STREAM, job.encode())  # type: ignore[arg-type]
             rids.append(job.request_id)
-        if self.pipelined:
-            pipe.execute()  # type: ignore[union-attr]
+        if isinstance(pipe, Pipeline):  # a plain client already ran each command
+            pipe.execute()
         return rids
 
     def result_key(self, rid: str) -> str:
@@ -126,12 +128,14 @@ def raw_consumer(url: str, batch: int, pipelined: bool) -> None:
     blob = result_blob()
     name = f"raw-{os.getpid()}"
     while True:
-        got = r.xreadgroup(RAW_GROUP, name, {RAW_STREAM: ">"}, count=batch if pipelined else 1,
-                           block=100)
+        # RESP2's reply shape; redis-py types it as the union of its RESP2 and RESP3 shapes.
+        got = cast(list[tuple[bytes, list[StreamEntry]]],
+                   r.xreadgroup(RAW_GROUP, name, {RAW_STREAM: ">"},
+                                count=batch if pipelined else 1, block=100))
         if not got:
             continue
         entries = got[0][1]
-        pipe: Any = r.pipeline(transaction=False) if pipelined else r
+        pipe = r.pipeline(transaction=False) if pipelined else r
         for _, fields in entries:
             rid = fields[b"rid"].decode()
             pipe.set(f"rawbench:result:{rid}", blob, px=RESULT_TTL_MS)
@@ -139,7 +143,7 @@ def raw_consumer(url: str, batch: int, pipelined: bool) -> None:
         ids = [entry_id for entry_id, _ in entries]
         pipe.xack(RAW_STREAM, RAW_GROUP, *ids)
         pipe.xdel(RAW_STREAM, *ids)
-        if pipelined:
+        if isinstance(pipe, Pipeline):
             pipe.execute()
 
 

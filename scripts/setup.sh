@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up shared by the README's two commands: redis-server and g++ when missing, a
-# virtualenv at .venv with CPU torch and the package. Fast when everything is in place.
+# virtualenv at .venv with CPU torch, the package, and the pinned ruff and mypy that
+# scripts/lint.sh runs. Fast when everything is in place.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,4 +26,14 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q "torch==2.13.0" >&2
   .venv/bin/python -m pip install -q -e ".[worker,test]" >&2
   touch "$stamp"
+fi
+
+# scripts/lint.sh's tools, pinned so that a new release cannot fail CI on its own. This stamp
+# holds the pins it installed: changing them here reinstalls them.
+lint_pins=(ruff==0.17.6 mypy==2.4.1 types-PyYAML==6.0.12.20261122)
+lint_stamp=.venv/.redbatch-lint-tools
+if [ "$(cat "$lint_stamp" 2>/dev/null)" != "${lint_pins[*]}" ]; then
+  echo "setup: installing ${lint_pins[*]}" >&2
+  .venv/bin/python -m pip install -q "${lint_pins[@]}" >&2
+  echo "${lint_pins[*]}" >"$lint_stamp"
 fi

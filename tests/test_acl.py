@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -92,7 +93,7 @@ def consumers(admin: redis.Redis) -> set[bytes]:
     return {c["name"] if isinstance(c["name"], bytes) else c["name"].encode() for c in groups}
 
 
-def refusals(server: RedisServer) -> list[dict[str, object]]:
+def refusals(server: RedisServer) -> list[dict[str, Any]]:
     return [entry for entry in redis.Redis.from_url(server.url).acl_log()
             if entry["username"] in ("redbatch-producer", "redbatch-worker")]
 

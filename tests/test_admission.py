@@ -17,6 +17,7 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
+from typing import cast
 
 import pytest
 import redis
@@ -33,6 +34,7 @@ from redbatch.common.protocol import (
     Keys,
     Lane,
 )
+from redbatch.common.redis_io import StreamEntry
 from redbatch.producer.client import AsyncClient, Client, DuplicateRequestId, QueueFull
 
 
@@ -351,7 +353,7 @@ def test_a_deadline_long_past_is_admitted_once(
 def test_the_duplicate_reply_names_the_owner_and_the_client_matches_its_first_word(
         client: Client, r: redis.Redis, keys: Keys) -> None:
     client.submit(b"first", request_id="dup-1")
-    (entry_id, _), = r.xrange(keys.stream(Lane.INTERACTIVE))
+    (entry_id, _), = cast(list[StreamEntry], r.xrange(keys.stream(Lane.INTERACTIVE)))
     k, a = _good(keys, "dup-1", Lane.INTERACTIVE)
     with pytest.raises(redis.ResponseError) as raw:
         _call(r, k, a)

@@ -52,7 +52,7 @@ def test_thousand_jobs_from_eight_clients(redis_url: str, start_worker: WorkerFa
     start_worker("--max-batch-size", "16", "--max-inflight", "64")
     names = list(PHOTOS)
 
-    def one_client(i: int) -> list[tuple[str, str, str, int]]:
+    def one_client(i: int) -> list[tuple[str, str, str, str, int]]:
         out = []
         with Client(redis_url) as client:
             sent = [(names[(i + j) % 2], client.submit(PHOTOS[names[(i + j) % 2]], timeout_s=300))

@@ -15,13 +15,16 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import redis
 from audit import audit
 from conftest import SAMPLES, WorkerFactory
 from redbatch.common.protocol import GROUP, ErrorCode, Keys, ResultEnvelope, Status
+from redbatch.common.redis_io import StreamEntry
 from redbatch.producer.client import Client
+from redis.typing import EncodableT, FieldT
 
 TESTS = str(Path(__file__).resolve().parent)
 CAT = (SAMPLES / "cat.jpg").read_bytes()
@@ -157,7 +160,7 @@ def test_dlq_retry_requeues_and_the_client_gets_the_new_result(
     from redbatch.common.protocol import JobEnvelope
 
     job = JobEnvelope("retry-me", keys.model, CAT)
-    fields = {k: v for k, v in job.encode().items()}
+    fields: dict[FieldT, EncodableT] = {k: v for k, v in job.encode().items()}
     r.xadd(keys.dlq(), {**fields, "source": keys.streams()[0], "entry": "1-0",
                         "reason": "dead_lettered: test", "deliveries": "4", "at_ms": "0"})
     r.set(keys.result("retry-me"),
@@ -277,8 +280,11 @@ def pending_on(r: redis.Redis, keys: Keys, consumer: str, rid: str) -> bytes:
     if not r.exists(stream):
         r.xgroup_create(stream, GROUP, id="0", mkstream=True)
     r.xadd(stream, JobEnvelope(rid, keys.model, CAT).encode())
-    [[_, [(entry_id, _)]]] = r.xreadgroup(GROUP, consumer, {stream: ">"}, count=1)
-    return entry_id  # type: ignore[no-any-return]
+    # RESP2's reply shape; redis-py types it as the union of every shape it can take.
+    reply = cast(list[tuple[bytes, list[StreamEntry]]],
+                 r.xreadgroup(GROUP, consumer, {stream: ">"}, count=1))
+    [[_, [(entry_id, _)]]] = reply
+    return entry_id
 
 
 def test_a_result_written_but_never_acknowledged_is_not_answered_twice(

@@ -146,9 +146,9 @@ def assert_contract(samples: Samples) -> None:
     expected = dict(CONTRACT)
     if info[0]["device"].startswith("cuda"):
         expected.update(GPU_ONLY)
-    for name, labels in expected.items():
+    for name, label_names in expected.items():
         assert name in labels_of, f"{name} missing from /metrics"
-        assert labels_of[name] - {"le"} == {"model", *labels}, name
+        assert labels_of[name] - {"le"} == {"model", *label_names}, name
     for name in ("redbatch_stream_length", "redbatch_stream_pending", "redbatch_stream_lag"):
         assert {value(samples, name, lane=lane.value) >= 0 for lane in Lane} == {True}
         lanes = {dict(labels).get("lane") for n, labels in samples if n == name}

@@ -33,7 +33,7 @@ COFFEE_LABELS = {"espresso", "cup", "coffee mug"}
 class Device:
     """The worker's device path over real shared-memory slots, without Redis or a pool."""
 
-    runner: Device
+    runner: ModelRunner
     slots: SlotArray
 
     @property

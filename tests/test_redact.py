@@ -87,9 +87,9 @@ def test_settings_repr_and_errors_show_the_url_redacted() -> None:
             RedisSettings.from_dsn(url)
         except ValueError as e:
             assert not leaked(str(e), SECRET) and "***" in str(e), url
-    with pytest.raises(ValueError, match="unsupported Redis URL scheme") as e:
+    with pytest.raises(ValueError, match="unsupported Redis URL scheme") as raised:
         RedisSettings.from_dsn(f"http://user:{SECRET}@h/0")
-    assert not leaked(str(e.value), SECRET)
+    assert not leaked(str(raised.value), SECRET)
 
 
 @pytest.mark.parametrize("pw", ["Wq7v/Xz9K", "Wq7v?Xz9K", "Wq7v#Xz9K", "Wq/7@v?X#z9K",

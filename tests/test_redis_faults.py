@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -23,6 +23,7 @@ from conftest import SAMPLES, TEST_MODEL, WorkerFactory
 from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
 from redbatch.cli.redis_server import RedisServer, free_port
 from redbatch.common.protocol import GROUP, JobEnvelope, Keys, Lane
+from redbatch.common.redis_io import StreamEntry
 from redbatch.producer.client import Client
 from test_faults import FAST_RECLAIM, TESTS, check_invariant
 
@@ -154,7 +155,7 @@ def test_dead_letters_wait_while_the_dead_letter_stream_holds_another_type(
         r.delete(keys.dlq())
         wait_until(lambda: r.exists(keys.dlq()) and r.xlen(stream) == 0, 30,
                    "the dead letter written once the key was gone")
-    [(_, fields)] = r.xrange(keys.dlq())
+    [(_, fields)] = cast(list[StreamEntry], r.xrange(keys.dlq()))
     assert fields[b"job"] == b"no request id, so nobody can be answered"
     assert b"rid" not in fields, "fields are copied as they were: none is made up"
     assert fields[b"entry"] == entry and fields[b"reason"].startswith(b"bad_request_id: ")

@@ -118,12 +118,12 @@ def test_top_redraws_until_ctrl_c(redis_url: str, r: redis.Redis, keys: Keys) ->
     proc = subprocess.Popen([*CLI, "top", "--interval", "0.2", "--redis", redis_url],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
+        assert proc.stdout is not None
         seen = b""
         deadline = time.monotonic() + 60
         while seen.count(HOME.encode()) < 3 and time.monotonic() < deadline:
             ready, _, _ = select.select([proc.stdout], [], [], 1.0)
             if ready:
-                assert proc.stdout is not None
                 chunk = os.read(proc.stdout.fileno(), 65536)
                 assert chunk, f"top exited early: {proc.wait()} {proc.stderr.read()!r}"
                 seen += chunk

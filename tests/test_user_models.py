@@ -31,6 +31,9 @@ def torchscript_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default network, traced to TorchScript, with ImageNet mean/std folded in front of it:
     a stand-in for a user's exported classifier that expects torchvision preprocessing."""
     class FromImageNetNorm(torch.nn.Module):
+        mean: torch.Tensor  # buffers, which Module.__getattr__ types as Tensor | Module
+        std: torch.Tensor
+
         def __init__(self) -> None:
             super().__init__()
             self.net = load_efficientnet_lite0()

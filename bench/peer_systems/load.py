@@ -171,7 +171,7 @@ def open_loop(make_caller: CallerFactory, payloads: list[bytes], rate: float, wa
 
 
 def _drain(q: queue.Queue[float | None]) -> list[float]:
-    out = []
+    out: list[float] = []
     while True:
         try:
             item = q.get_nowait()

@@ -13,7 +13,7 @@ import argparse
 import os
 import signal
 import threading
-from typing import Any
+from typing import Any, cast
 
 import ray
 from ray import serve
@@ -55,7 +55,9 @@ def main() -> None:
              object_store_memory=128 * 1024**2)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-        serve.run(Classify.bind(args.max_batch_size, args.batch_wait_s, args.threads),
+        # mypy keeps a class's own type under a class decorator: @serve.deployment made it this.
+        deployment = cast("serve.Deployment", Classify)
+        serve.run(deployment.bind(args.max_batch_size, args.batch_wait_s, args.threads),
                   route_prefix="/", blocking=False)
         print("READY", flush=True)
         stop.wait()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
 from redbatch.cli.redis_server import RedisServer
 from redbatch.common.protocol import Keys
@@ -25,7 +27,7 @@ class RedbatchSystem:
         self.args = ["--log-level", "WARNING", "--metrics-port", "0", *chosen]
         self.config = "redbatch worker " + (" ".join(chosen) or "with its defaults")
         self.server: RedisServer | None = None
-        self.worker = None
+        self.worker: subprocess.Popen[bytes] | None = None
 
     def start(self, payload: bytes) -> None:
         self.server = RedisServer().start()
