@@ -45,6 +45,14 @@ def test_wheel_holds_only_the_redbatch_namespace(wheel: Path) -> None:
     assert not any(n.startswith(("redbatch/tests", "redbatch/bench")) for n in names)
 
 
+def test_every_package_folder_is_in_the_wheel(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    folders = {p.parent.relative_to(ROOT) for p in ROOT.glob("*/**/__init__.py")
+               if p.parts[len(ROOT.parts)] not in ("tests", "bench", "build", ".venv")}
+    missing = [str(f) for f in folders if f"redbatch/{f}/__init__.py" not in names]
+    assert folders and not missing, f"add them to pyproject's packages: {missing}"
+
+
 def test_wheel_install_imports_under_redbatch_only(wheel: Path, tmp_path: Path) -> None:
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
