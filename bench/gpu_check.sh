@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# GPU check: redbatch's calibration, max batch size sweep and latency-against-load curve on
-# this machine's NVIDIA GPU, everything written to one folder. Self-contained: run it as is
+# GPU check: redbatch's calibration, max batch size sweep, latency-against-load curve and
+# ceilings (is the device or redbatch the limit?) on this machine's NVIDIA GPU, everything
+# written to one folder. Self-contained: run it as is
 # from a checkout on any Linux machine with an NVIDIA GPU and its driver.
 #
 #   bash bench/gpu_check.sh [--cpu] [--quick] [OUT_DIR]
 #
 #   OUT_DIR   where everything goes (default: bench/out/gpu-check-YYYYmmdd-HHMMSS): env.txt,
 #             nvidia-smi.txt, calibrate.log, profiles/, batch_sweep.{csv,png,log},
-#             latency_load.{csv,png,log}, the workers' logs and summary.txt
+#             latency_load.{csv,png,log}, ceiling.{csv,png,log}, the workers' logs and
+#             summary.txt
 #   --cpu     no GPU: run on the CPU (device cpu everywhere), to try the script itself
 #   --quick   very short phases and few batch sizes: proves the script runs, measures nothing
 #
@@ -17,8 +19,10 @@
 # installed, e.g. "torch --index-url https://download.pytorch.org/whl/cu118" for an older
 # driver) and redbatch[worker,bench], installed only when something is missing; then, each
 # under a timeout, `redbatch calibrate` (profile into OUT_DIR/profiles, which every worker
-# after it loads), bench/batch_sweep.py and bench/latency_load.py; a summary last.
-# The measurements take under 5 minutes on a GPU once set up; the first run also downloads
+# after it loads), bench/batch_sweep.py, bench/latency_load.py and bench/ceiling.py (null
+# model: Redis calls and GIL time per job, the ceilings of one worker and one Redis against
+# the model-only rate of the profile); a summary last.
+# The measurements take under 6 minutes on a GPU once set up; the first run also downloads
 # torch and the packages.
 #
 # Exit code: 0 when every step ran, 1 when a step failed or ran out of time (the later steps
@@ -44,23 +48,26 @@ done
 OUT=${ARGS[0]:-$ROOT/bench/out/gpu-check-$(date +%Y%m%d-%H%M%S)}
 
 # ---------------------------------------------------------------- what is measured, how long
-# Time limits per step (s) sum to under 5 minutes; the CPU is slower at everything, so a
+# Time limits per step (s) sum to under 6 minutes; the CPU is slower at everything, so a
 # --cpu run gets four times as long (its figures are not the point).
 if [ "$QUICK" = 1 ]; then
   CALIBRATE_ARGS=(--max-batch 4 --runs 2 --warmup-runs 1)
   SWEEP_ARGS=(--sizes "1,2,4" --seconds 2 --warmup-s 1)
   LOAD_ARGS=(--levels "0.3,0.7" --seconds 3 --capacity-s 3 --warmup-s 1)
+  CEILING_ARGS=(--seconds 3 --warmup-s 1 --gil-s 2)
 else
   CALIBRATE_ARGS=(--runs 5)
   SWEEP_ARGS=(--sizes "1,2,4,8,16,32,64" --seconds 4 --warmup-s 2)
   LOAD_ARGS=(--levels "0.1,0.3,0.5,0.7,0.9" --seconds 5 --capacity-s 5 --warmup-s 3)
+  CEILING_ARGS=(--seconds 10 --warmup-s 3 --gil-s 5)
 fi
 LIMIT_CALIBRATE=75
 LIMIT_SWEEP=140
 LIMIT_LOAD=80
+LIMIT_CEILING=60
 if [ "$CPU" = 1 ]; then
   LIMIT_CALIBRATE=$((LIMIT_CALIBRATE * 4)) LIMIT_SWEEP=$((LIMIT_SWEEP * 4))
-  LIMIT_LOAD=$((LIMIT_LOAD * 4))
+  LIMIT_LOAD=$((LIMIT_LOAD * 4)) LIMIT_CEILING=$((LIMIT_CEILING * 4))
   # On CPU calibration would also compile every size (minutes with a cold cache), and so
   # would every worker the sweep starts: a trial run of the script does without.
   CALIBRATE_ARGS+=(--no-compile)
@@ -261,6 +268,13 @@ run_step batch_sweep "$LIMIT_SWEEP" "$PY" bench/batch_sweep.py "${SWEEP_ARGS[@]}
   --worker-args "--device $DEVICE" --out-dir "$OUT"
 run_step latency_load "$LIMIT_LOAD" "$PY" bench/latency_load.py "${LOAD_ARGS[@]}" \
   --worker-args "--device $DEVICE" --out-dir "$OUT"
+# The model-only rate comes from the profile the calibration wrote (skipped without one).
+PROFILE_ARGS=()
+for f in "$OUT"/profiles/efficientnet_lite0--*.json; do
+  if [ -f "$f" ]; then PROFILE_ARGS=(--profile "$f"); break; fi
+done
+run_step ceiling "$LIMIT_CEILING" "$PY" bench/ceiling.py "${CEILING_ARGS[@]}" \
+  "${PROFILE_ARGS[@]}" --worker-args "--device $DEVICE" --out-dir "$OUT"
 
 # ---------------------------------------------------------------- summary
 p99_at_70() {  # the p99 column of latency_load.csv's row for load 0.7 (CRLF lines)
@@ -278,6 +292,11 @@ p99_at_70() {  # the p99 column of latency_load.csv's row for load 0.7 (CRLF lin
   echo "sweep:         $(grep -m1 '^best max batch size' "$OUT/batch_sweep.log" 2>/dev/null || echo 'no result (see batch_sweep.log)')"
   echo "load curve:    p99 at 70% load $(p99_at_70 || true)"
   grep -m1 '^RATIO p99' "$OUT/latency_load.log" 2>/dev/null | sed 's/^/               /' || true
+  echo "ceiling:       $(grep -m1 '^measured .* jobs/s' "$OUT/ceiling.log" 2>/dev/null \
+    || echo 'no result (see ceiling.log)'), null model"
+  grep -E -m3 '^(Redis calls per job|ceiling of one worker|ceiling of one Redis)' \
+    "$OUT/ceiling.log" 2>/dev/null | sed 's/^/               /' || true
+  grep -m1 '^LIMIT' "$OUT/ceiling.log" 2>/dev/null | sed 's/^/               /' || true
   echo "workers ran on: $(grep -ho 'model ready: device=[^ ]*' "$OUT"/*worker*.log 2>/dev/null \
     | sed 's/.*device=//' | sort | uniq -c | awk '{printf "%s%s (%d workers)", sep, $2, $1; sep=", "}')"
   echo "measurement time: $((SECONDS - T0)) s; failed: ${FAILED[*]:-none}"

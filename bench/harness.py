@@ -352,7 +352,7 @@ class RedbatchTarget:
 
 
 class Collector:
-    """Pops finished ids from the target's reply list and reads their results (pipelined)."""
+    """Pops finished ids from the target's reply list and reads their results (one MGET)."""
 
     def __init__(self, url: str, target: Target) -> None:
         self.r = redis.Redis.from_url(url)
@@ -366,11 +366,9 @@ class Collector:
         seen_at = time.perf_counter()
         rids = [first[1], *(self.r.lpop(self.target.reply_key, 1000) or [])]
         ids = [x.decode() for x in rids]
-        pipe = self.r.pipeline(transaction=False)
-        for rid in ids:
-            pipe.get(self.target.result_key(rid))
+        found = self.r.mget([self.target.result_key(rid) for rid in ids])
         return [self.target.decode(rid, data, seen_at)
-                for rid, data in zip(ids, pipe.execute(), strict=True)]
+                for rid, data in zip(ids, found, strict=True)]
 
     def close(self) -> None:
         self.r.close()
@@ -530,6 +528,38 @@ def _submit_on_schedule(target: Target, schedule: list[float], scheduled: dict[s
         for rid, at in zip(target.submit(j - i), schedule[i:j], strict=True):
             scheduled[rid] = t0 + at
         i = j
+
+
+# ---------------------------------------------------------------------------- Redis's own counts
+
+
+@dataclass(frozen=True, slots=True)
+class CommandStat:
+    """One command's line of ``INFO commandstats``: calls so far, and microseconds spent
+    executing them (not reading or parsing them, not writing the reply)."""
+
+    calls: int
+    usec: float
+
+
+def command_stats(r: redis.Redis) -> dict[str, CommandStat]:
+    """Every command Redis has run since it started, by name (``set``, ``evalsha``,
+    ``client|setinfo``), from ``INFO commandstats``. Commands a Lua script calls count too
+    (Redis 7), each under its own name, beside the ``evalsha`` that ran the script."""
+    info = r.info("commandstats")
+    return {name.removeprefix("cmdstat_"): CommandStat(int(v["calls"]), float(v["usec"]))
+            for name, v in info.items()}
+
+
+def commands_between(before: Mapping[str, CommandStat],
+                     after: Mapping[str, CommandStat]) -> dict[str, CommandStat]:
+    """What Redis ran between two :func:`command_stats`, most calls first (the INFO that
+    took ``before`` is among them)."""
+    diff = {name: CommandStat(s.calls - before.get(name, CommandStat(0, 0.0)).calls,
+                              s.usec - before.get(name, CommandStat(0, 0.0)).usec)
+            for name, s in after.items()}
+    return dict(sorted(((k, v) for k, v in diff.items() if v.calls > 0),
+                       key=lambda kv: kv[1].calls, reverse=True))
 
 
 # ---------------------------------------------------------------------------- output

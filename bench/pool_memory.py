@@ -27,6 +27,7 @@ from redbatch.common.config import LimitSettings, PoolSettings
 from redbatch.gpu_worker import malloc_tuning
 from redbatch.preproc_worker.pool import PreprocPool
 from redbatch.preproc_worker.shm import SlotArray
+from redbatch.preproc_worker.worker import PreprocDone
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 
@@ -49,17 +50,16 @@ class OnePool:
         self.slots = SlotArray.create(4, (3, 224, 224), "float32")
         self.pool = PreprocPool("efficientnet_lite0", LimitSettings(),
                                 PoolSettings(processes=1), self.slots.layout)
-        self.records: queue.Queue[object] = queue.Queue()
+        self.records: queue.Queue[list[PreprocDone]] = queue.Queue()
         self.pool.start(self.records.put)
         self.process = psutil.Process(self.pool.pids()[0])
 
     def decode(self, data: bytes) -> float:
         """Wall ms of one decode, as the process measured it."""
         self.pool.submit(0, data, "", {})
-        record = self.records.get(timeout=300)
-        self.pool.complete(record)  # type: ignore[arg-type]
-        assert record.error_code is None, record  # type: ignore[attr-defined]
-        return float(record.preprocess_ms)  # type: ignore[attr-defined]
+        [record] = self.pool.complete(self.records.get(timeout=300))
+        assert record.error_code is None, record
+        return float(record.preprocess_ms)
 
     def rss_mib(self) -> float:
         return float(self.process.memory_info().rss) / 2**20

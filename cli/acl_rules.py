@@ -7,18 +7,19 @@ NOTE [ ACL roles ]
   user may serve several models (each model adds its own patterns).
 
   producer: submit through the admission script (EVAL/EVALSHA; inside it HGET of the
-    limits hash, XLEN, EXISTS/GET/SET of the id's owner key, XADD to the lane stream),
-    or by a plain XADD; read a lane's backlog and bound (XLEN, HGET) and whether a
-    worker serves it (XINFO GROUPS); wait for and read results (GET, MGET, EXISTS,
-    BLPOP of a done list or a reply list, LPOP of a reply list) and delete what it
-    has read (DEL of result, done, owner and reply keys, as ``redbatch score`` does).
+    limits hash, XLEN, GET/SET of the id's owner key, XADD to the lane stream and XDEL of
+    the entry of a duplicate it takes back out), or by a plain XADD; read a lane's backlog
+    and bound (XLEN, HGET) and whether a worker serves it (XINFO GROUPS); wait for and
+    read results (GET, MGET, EXISTS, BLPOP of a done list or a reply list, LPOP and
+    BLMPOP of a reply list) and delete what it has read (DEL of result, done, owner and reply keys,
+    as ``redbatch score`` does).
     It may not write a result or a done token (no SET, RPUSH there), change a bound,
     touch another model, or run any admin command.
   worker: everything ``redbatch worker`` sends: the consumer group (XGROUP CREATE,
     XREADGROUP, XCLAIM, XPENDING, XRANGE, XACK, XDEL, XINFO, the departed-consumer
     script), results in MULTI/EXEC (SET, RPUSH, PEXPIRE; WATCH and TYPE for the keys
     it checks first), the owner keys, dead letters (XADD), the fleet status keys
-    (SET, ZADD, ZREM, ZREMRANGEBYSCORE, LPUSH, LTRIM, DEL) and TIME. It may not change
+    (SET, ZADD, ZREM, ZREMRANGEBYSCORE, LPUSH, LPUSHX, LTRIM, DEL) and TIME. It may not change
     a bound, touch another model, or run any admin command.
   Both: what redis-py sends on connecting (HELLO, CLIENT SETINFO, SELECT for a
   database other than 0) and PING, SCRIPT LOAD and SCRIPT EXISTS (redis-py loads a
@@ -124,10 +125,11 @@ def producer_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[st
         # EVAL declares its keys read-write, so the script's keys are the root's; what
         # the script may do with them is decided command by command by the selectors.
         *_keys(*streams, *limits, *owners),
-        _selector(("xadd", "xlen", "xinfo|groups"), _keys(*streams)),
+        _selector(("xadd", "xdel", "xlen", "xinfo|groups"), _keys(*streams)),
         _selector(("hget",), _keys(*limits, mode="%R~")),
         _selector(("exists", "get", "set"), _keys(*owners)),
-        _selector(("get", "mget", "exists", "blpop", "lpop", "del"), _keys(*answers)),
+        _selector(("get", "mget", "exists", "blpop", "lpop", "blmpop", "del"),
+                  _keys(*answers)),
     )
 
 
@@ -135,7 +137,7 @@ _STREAM_COMMANDS = ("xgroup|create", "xgroup|delconsumer", "xreadgroup", "xclaim
                     "xrange", "xack", "xdel", "xlen", "xinfo|groups", "xinfo|consumers",
                     "eval", "evalsha")
 _ANSWER_COMMANDS = ("set", "get", "rpush", "pexpire")
-_FLEET_COMMANDS = ("set", "del", "zadd", "zrem", "zremrangebyscore", "lpush", "ltrim",
+_FLEET_COMMANDS = ("set", "del", "zadd", "zrem", "zremrangebyscore", "lpush", "lpushx", "ltrim",
                    "pexpire")
 #: Every key-bound command a worker may also use to check a key before it writes it.
 _CHECKS = ("type", "watch", "exists", "pttl")

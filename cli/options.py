@@ -106,9 +106,12 @@ TIMEOUT_S = option("--timeout-s", env="TIMEOUT_S", type=click.FloatRange(min=0.0
 # The device path: the worker runs it, calibrate measures it the same way.
 DEVICE = option("--device", env="DEVICE", default=default_of(ModelSettings, "device"),
                 help="auto, cpu, cuda or cuda:N.")
-POOL_PROCESSES = option("--pool-processes", env="POOL_PROCESSES", type=click.IntRange(min=1),
+POOL_PROCESSES = option("--pool-processes", env="POOL_PROCESSES", type=click.IntRange(min=0),
                         default=default_of(PoolSettings, "processes"),
-                        help="Preprocessing processes (default: cores - 1).")
+                        help="Preprocessing processes; 0: the cores the model's threads "
+                             "leave, at least 1: on CUDA cores - 1, on CPU cores - lanes x "
+                             "torch threads and at least a third of the cores (the worker "
+                             "logs the count at start).")
 TORCH_THREADS = option("--torch-threads", env="TORCH_THREADS", type=click.IntRange(min=0),
                        default=default_of(ModelSettings, "torch_threads"))
 CPU_LANES = option("--cpu-lanes", env="CPU_LANES", type=click.IntRange(min=0),

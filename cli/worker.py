@@ -143,7 +143,7 @@ def worker(**options: Any) -> None:
     except ValueError as e:  # a bad --prefix, --model-name or --shm-prefix: one line
         raise click.ClickException(str(e)) from e
     # Imported here: torch loads with it, which the other commands never need.
-    from redbatch.gpu_worker.loop import Worker
+    from redbatch.gpu_worker.worker import Worker
 
     w = Worker(settings)
     with signals_stop(w.stop, w.abort):

@@ -166,15 +166,11 @@ class BatchSettings:
             raise ValueError("interactive_reserve must be below max_inflight")
 
 
-def default_pool_processes() -> int:
-    """Cores minus one for the inference thread, at least one."""
-    return max(1, (os.cpu_count() or 2) - 1)
-
-
 @dataclass(frozen=True, slots=True)
 class PoolSettings:
-    #: Preprocessing processes; default: cores - 1, at least 1.
-    processes: int = field(default_factory=default_pool_processes)
+    #: Preprocessing processes; 0: auto, the cores the model's threads leave, resolved by
+    #: the worker at start (gpu_worker/device.py choose_pool_processes).
+    processes: int = 0
     #: How a pool process is started; spawn never copies the worker's threads or sockets.
     start_method: str = "spawn"
     #: Times a job is retried after the pool process handling it died.
@@ -184,8 +180,8 @@ class PoolSettings:
     shm_prefix: str = DEFAULT_SHM_PREFIX
 
     def __post_init__(self) -> None:
-        if self.processes < 1:
-            raise ValueError("pool processes must be >= 1")
+        if self.processes < 0:
+            raise ValueError("pool processes must be >= 0 (0: auto)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,11 @@ class Capacity:
         with self._cond:
             return max(0, self.bulk_limit - self._bulk)
 
+    def wait_for_bulk_room(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` until a bulk job may be read; True once one may."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._bulk < self.bulk_limit, timeout=timeout_s)
+
     def took_bulk(self, n: int) -> None:
         """Record that ``n`` of the permits taken went to bulk jobs."""
         with self._cond:

@@ -56,13 +56,50 @@ def cpu_lanes(requested: int) -> int:
 def choose_torch_threads(requested: int, pool_processes: int, device_type: str = "cpu",
                          lanes: int = 1) -> int:
     """Intra-op threads: what was asked; else on CPU each lane's share of the cores, on CUDA
-    the cores the pool leaves free (at least 1)."""
+    the cores the pool leaves free (at least 1; ``pool_processes`` 0: the default pool,
+    :func:`choose_pool_processes`)."""
     if requested > 0:
         return requested
     cores = os.cpu_count() or 1
     if device_type == "cpu":
         return max(1, cores // max(lanes, 1))
-    return max(1, cores - pool_processes)
+    return max(1, cores - choose_pool_processes(pool_processes, device_type, lanes, 1, cores))
+
+
+#: Cores a CUDA worker's model keeps from the pool: its threads launch batches and collect
+#: outputs, and mostly wait on the device.
+CUDA_MODEL_CORES = 1
+#: The least share of a CPU worker's cores its pool gets, as a divisor: a third. With the
+#: default threads the model's lanes take every core and the pool shares them; decoding is
+#: about a third of a photo's CPU time there (EfficientNet-Lite0 compiled in bf16: 6.9
+#: CPU-ms in the model, 3.2 decoding a sample photo), so fewer processes would make
+#: decoding the limit on a many-core CPU.
+CPU_POOL_SHARE_DIVISOR = 3
+
+
+def choose_pool_processes(requested: int, device_type: str, lanes: int, torch_threads: int,
+                          cores: int | None = None) -> int:
+    """Preprocessing processes: ``requested`` when above 0; else (0: auto) the cores the
+    model's threads leave, at least 1.
+
+    CUDA: ``cores`` - CUDA_MODEL_CORES. CPU: ``cores`` - ``lanes`` x ``torch_threads``, and
+    at least a third of the cores (CPU_POOL_SHARE_DIVISOR), since by default the lanes'
+    threads take them all. ``cores``: os.cpu_count() when None.
+    """
+    if requested > 0:
+        return requested
+    cores = cores or os.cpu_count() or 1
+    if device_type == "cpu":
+        return max(1, cores - lanes * torch_threads, cores // CPU_POOL_SHARE_DIVISOR)
+    return max(1, cores - CUDA_MODEL_CORES)
+
+
+def pool_rule(device_type: str) -> str:
+    """The default pool's rule on this device type, in words, for the start-up log."""
+    if device_type == "cpu":
+        return ("the cores left after the model's lanes x torch threads, at least a third "
+                "of the cores")
+    return f"the cores minus {CUDA_MODEL_CORES} for the model's launching and collecting threads"
 
 
 def prepare_model(model: Callable[[torch.Tensor], torch.Tensor], variant: Variant,

@@ -1,16 +1,22 @@
 """What the worker's helper threads hand its main loop: one typed event per source.
 
 The intake thread puts :class:`Read` (or :class:`Idle`), the collect thread :class:`Ran` (or
-:class:`DeviceLost`), and the pool's pump thread :class:`PreprocDone` records. The main loop
-is the only reader (NOTE [ Worker threads ] in loop.py).
+:class:`DeviceLost`), the writer thread :class:`Written`, and the pool's pump thread the
+:class:`PreprocDone` records of one pool message as a list. The main loop is the only
+reader (NOTE [ Worker threads ] in loop.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
 
 from redbatch.gpu_worker.intake import BadEntry, Job
+from redbatch.gpu_worker.metrics import Health
 from redbatch.gpu_worker.model import Outcome
+from redbatch.gpu_worker.results import Answer, Flushed
 from redbatch.preproc_worker.worker import PreprocDone
 
 
@@ -45,4 +51,55 @@ class Idle:
     """Intake found the streams empty (used by burst mode)."""
 
 
-Event = Read | Ran | DeviceLost | Idle | PreprocDone
+@dataclass(frozen=True, slots=True)
+class Written:
+    """A write of answers came back: ``flushed`` when it went through, else the error
+    (RedisUnavailable, RedisRefused) that left all of them unwritten and unacknowledged."""
+
+    answers: list[Answer]
+    flushed: Flushed | None = None
+    error: Exception | None = None
+
+
+Event = Read | Ran | DeviceLost | Idle | Written | list[PreprocDone]
+"""``list[PreprocDone]``: the records of one message of the pool (one or more tasks)."""
+
+
+#: A batch for the model thread: its jobs, their batch-wait times (ms), the size to run at,
+#: and whether it is a taken-over job whose delivery must be counted before it runs.
+Launch = tuple[list[Job], list[float], int, bool]
+
+
+@dataclass(slots=True)
+class Channels:
+    """The queues between the main loop and its threads (NOTE [ Worker threads ] in
+    loop.py). Unbounded: the main loop launches at most the model's depth of batches, and
+    ships one write at a time."""
+
+    events: queue.Queue[Event] = field(default_factory=queue.Queue)
+    batches: queue.SimpleQueue[Launch | None] = field(default_factory=queue.SimpleQueue)
+    #: Batches submitted to the model, for the collect thread: (jobs, waits, runner job).
+    collecting: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
+    outgoing: queue.SimpleQueue[list[Answer] | None] = field(default_factory=queue.SimpleQueue)
+
+
+@dataclass(slots=True)
+class Control:
+    """How the worker is told to stop: by a signal handler (from the first moment, while it
+    still starts), or by its main loop (burst mode drained, a device lost)."""
+
+    health: Health
+    stopping: threading.Event = field(default_factory=threading.Event)
+    aborting: threading.Event = field(default_factory=threading.Event)
+    #: Set when the device broke; the worker command then exits with code 3.
+    device_failed: bool = False
+
+    def stop(self) -> None:
+        """Graceful: stop reading, finish in-flight work, exit. Safe from a signal handler."""
+        self.health.stopping = True
+        self.stopping.set()
+
+    def abort(self) -> None:
+        """Leave at once; unanswered jobs stay pending in Redis."""
+        self.stop()
+        self.aborting.set()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import redis
 from redbatch.common.protocol import (
+    FIELD_ADMITTED,
     FIELD_REQUEST_ID,
     GROUP,
     ErrorCode,
@@ -189,8 +190,11 @@ class Intake:
             list[Job], list[BadEntry]]:
         """Claim each request id for its entry; entries whose id another entry owns are
         dead-lettered unanswered, with their fields as read (``raw``, by entry id; see
-        NOTE [ Request id owners ] in common/protocol/admission.py)."""
-        claims: list[Job | BadEntry] = [*jobs, *(b for b in bad if b.request_id is not None)]
+        NOTE [ Request id owners ] in common/protocol/admission.py). Entries the admission
+        script added (FIELD_ADMITTED) were claimed by it: no command for them."""
+        every: list[Job | BadEntry] = [*jobs, *bad]
+        claims = [item for item in every if item.request_id is not None
+                  and FIELD_ADMITTED.encode() not in raw[item.entry_id]]
         if not claims:
             return jobs, bad
         pipe = self._redis.pipeline(transaction=False)

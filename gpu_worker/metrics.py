@@ -51,6 +51,7 @@ import threading
 import time
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -94,6 +95,9 @@ class WorkerMetrics:
         self._declare_batches()
         self._declare_state()
         self._gpu: tuple[Gauge, Gauge] | None = None
+        #: Labelled series answered() uses for every job, by (lane, outcome) and by lane.
+        self._requests: dict[tuple[str, str], Any] = {}
+        self._stage_series: dict[str, list[tuple[str, Any]]] = {}
 
     # ------------------------------------------------------------------ declarations
 
@@ -185,16 +189,30 @@ class WorkerMetrics:
 
     def answered(self, lane: str, outcome: str, timings: Mapping[str, float] | None,
                  dead_lettered: bool = False) -> None:
-        """One entry answered (``outcome``: ``ok`` or an error code); ``timings`` in ms."""
-        self.requests.labels(self.model, lane, outcome).inc()
+        """One entry answered (``outcome``: ``ok`` or an error code); ``timings`` in ms.
+        Called for every job: the labelled series are looked up once and kept."""
+        counter = self._requests.get((lane, outcome))
+        if counter is None:
+            counter = self._requests[(lane, outcome)] = \
+                self.requests.labels(self.model, lane, outcome)
+        counter.inc()
         if dead_lettered:
             self.dead_lettered.inc()
         if outcome != Status.OK.value or not timings:
             return
-        for field, (stage, by_lane) in _STAGES.items():
+        for field, histogram in self._stages_of(lane):
             if field in timings:
-                labels = (self.model, lane) if by_lane else (self.model,)
-                self.stages[stage].labels(*labels).observe(timings[field] / 1000)
+                histogram.observe(timings[field] / 1000)
+
+    def _stages_of(self, lane: str) -> list[tuple[str, Any]]:
+        """(timing field, its histogram series) for results of ``lane``, looked up once."""
+        series = self._stage_series.get(lane)
+        if series is None:
+            series = self._stage_series[lane] = [
+                (field, self.stages[stage].labels(*((self.model, lane) if by_lane
+                                                    else (self.model,))))
+                for field, (stage, by_lane) in _STAGES.items()]
+        return series
 
     def batch(self, size: int, seconds: float) -> None:
         """One model execution of ``size`` requests that took ``seconds``."""

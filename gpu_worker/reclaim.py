@@ -14,7 +14,7 @@ NOTE [ Leases ]
 NOTE [ Poison jobs ]
   Redis counts deliveries per entry. Jobs are taken over without counting
   (JUSTID), and each taken-over job is run alone, charged one delivery just
-  before it runs (``charge``): so a job that kills its worker is charged once
+  before it runs (``charge``, on the model thread): so a job that kills its worker is charged once
   per death, while the innocent jobs that were waiting in the same worker are
   not charged for that. A job delivered more than ``max_deliveries`` times is
   not run again: it goes to the dead-letter stream with the reason, and its

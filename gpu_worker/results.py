@@ -1,9 +1,11 @@
 """The result writer: write results and acknowledge their jobs, atomically.
 
-For each answered entry one MULTI/EXEC sets the result key (with its TTL),
-pushes the wake-up token for waiting clients, and only then acknowledges and
-deletes the stream entry. If the transaction fails nothing is acknowledged,
-so a job never leaves its stream without its result written.
+For a group of answered entries (one flush of the writer thread) one
+MULTI/EXEC sets each result key (with its TTL), wakes the waiting clients (a
+token on each ``done`` list of a job that names no reply list, one RPUSH of
+the ids per reply list), and only then acknowledges and deletes the stream
+entries, many ids per XACK and XDEL. If the transaction fails nothing is
+acknowledged, so a job never leaves its stream without its result written.
 
 NOTE [ Write failures ]
   A MULTI is applied whole or not at all when Redis refuses it: out of memory
@@ -48,7 +50,6 @@ from redbatch.common.protocol import (
     JobEnvelope,
     Keys,
     Lane,
-    OwnerKeys,
     RecentResult,
     ReplyList,
     ResultEnvelope,
@@ -106,12 +107,21 @@ class Flushed:
 class _Op:
     """One queued command of the transaction: whose it is, for reading its reply."""
 
-    answer: int
-    """Index of the answer it belongs to, or -1 for the flush's shared commands."""
+    answers: tuple[int, ...]
+    """Indexes of the answers it belongs to (a reply list's RPUSH carries several); empty
+    for the flush's shared commands."""
     what: str
     """Command and key, for messages."""
     record: bool = False
     """The dead-letter XADD of its answer."""
+    recent: bool = False
+    """The LPUSHX of the recent list: 0 means the list is gone and must be made again."""
+
+
+#: How often the recent list is trimmed and its TTL renewed, s; the flushes in between
+#: only push onto it (one command, not three), so it holds at most RECENT_MAX plus this
+#: long's results, and expires RECENT_TTL_MS after its last upkeep.
+RECENT_UPKEEP_S = 1.0
 
 
 def _answer(entry: Job | BadEntry, result: ResultEnvelope, slot: int = -1) -> Answer:
@@ -134,7 +144,6 @@ class ResultWriter:
     def __init__(self, r: redis.Redis, keys: Keys, worker: str, ttl_s: int) -> None:
         self._redis = r
         self.keys = keys
-        self._owners = OwnerKeys(keys)
         self._answers = AnswerKeys(keys)
         self._dead = DeadLetters(keys)
         self.worker = worker
@@ -142,6 +151,9 @@ class ResultWriter:
         #: Dead-letter records of acknowledged entries, not yet in the dead-letter stream.
         self._records: deque[DeadLetter] = deque()
         self._warn = Throttle(logger, 60.0)
+        #: Monotonic time from which the next flush pushes onto the recent list in full
+        #: (LPUSH, LTRIM, PEXPIRE); before it, an LPUSHX alone.
+        self._recent_upkeep_at = 0.0
 
     # ------------------------------------------------------------------ envelopes
 
@@ -230,28 +242,35 @@ class ResultWriter:
     def _queue(self, pipe: Any, answers: Sequence[Answer]) -> list[_Op]:
         """Queue the transaction's commands; one _Op per command, in order."""
         ops: list[_Op] = []
+        replies: dict[str, list[int]] = {}  # reply list -> its answers, in order
         for i, answer in enumerate(answers):
             if answer.dead_letter is not None:
-                ops.append(_Op(i, self._dead.add(pipe, answer.dead_letter), record=True))
+                ops.append(_Op((i,), self._dead.add(pipe, answer.dead_letter), record=True))
             if answer.request_id is not None:
-                ops += self._queue_result(pipe, i, answer)
+                token = answer.reply_to is None  # a reply list's client waits on the list
+                ops += [_Op((i,), what) for what in
+                        self._answers.write(pipe, answer.request_id, answer.encoded,
+                                            self._ttl_ms, token)]
+                if answer.reply_to is not None:
+                    replies.setdefault(answer.reply_to, []).append(i)
+        ops += self._announce(pipe, answers, replies)
         ops += self._push_recent(pipe, answers)
         for stream, ids in _by_stream(answers).items():
             pipe.xack(stream, GROUP, *ids)
             pipe.xdel(stream, *ids)
-            ops += [_Op(-1, f"XACK {stream}"), _Op(-1, f"XDEL {stream}")]
+            ops += [_Op((), f"XACK {stream}"), _Op((), f"XDEL {stream}")]
         return ops
 
-    def _queue_result(self, pipe: Any, i: int, answer: Answer) -> list[_Op]:
-        """Queue the answer's result and wake-up token, keep its id taken as long (NOTE
-        [ Request id owners ]), and announce it on its reply list if it names one."""
-        rid = answer.request_id
-        assert rid is not None
-        queued = [*self._answers.write(pipe, rid, answer.encoded, self._ttl_ms),
-                  self._owners.keep(pipe, rid, self._ttl_ms)]
-        if answer.reply_to is not None:
-            queued += ReplyList(answer.reply_to).announce(pipe, rid, self._ttl_ms)
-        return [_Op(i, what) for what in queued]
+    def _announce(self, pipe: Any, answers: Sequence[Answer],
+                  replies: dict[str, list[int]]) -> list[_Op]:
+        """Queue one RPUSH (and PEXPIRE) per reply list for all the answers that name it,
+        after their results."""
+        ops: list[_Op] = []
+        for key, indexes in replies.items():
+            ids = [answers[i].request_id or "" for i in indexes]
+            ops += [_Op(tuple(indexes), what)
+                    for what in ReplyList(key).announce(pipe, ids, self._ttl_ms)]
+        return ops
 
     def _push_recent(self, pipe: Any, answers: Sequence[Answer]) -> list[_Op]:
         """Queue the answered results onto the capped recent list `redbatch status` reads."""
@@ -264,10 +283,18 @@ class ResultWriter:
         if not records:
             return []
         recent = self.keys.recent()
+        now_s = time.monotonic()
+        if now_s < self._recent_upkeep_at:
+            # LPUSHX: only onto the list a full push made (so it has its TTL); when it is
+            # gone (expired, deleted) this group's records are dropped and the next
+            # flush makes it again. Statistics only.
+            pipe.lpushx(recent, *records)
+            return [_Op((), f"LPUSHX {recent}", recent=True)]
+        self._recent_upkeep_at = now_s + RECENT_UPKEEP_S
         pipe.lpush(recent, *records)
         pipe.ltrim(recent, 0, RECENT_MAX - 1)
         pipe.pexpire(recent, RECENT_TTL_MS)
-        return [_Op(-1, f"{verb} {recent}") for verb in ("LPUSH", "LTRIM", "PEXPIRE")]
+        return [_Op((), f"{verb} {recent}") for verb in ("LPUSH", "LTRIM", "PEXPIRE")]
 
     # ------------------------------------------------------------------ failures
 
@@ -277,14 +304,17 @@ class ResultWriter:
         proved undeliverable (each now has a dead-letter record on its way)."""
         failed: dict[int, str] = {}
         for op, reply in zip(ops, replies, strict=True):
+            if op.recent and reply == 0:
+                self._recent_upkeep_at = 0.0
             if not isinstance(reply, Exception):
                 continue
             if op.record:
-                self._keep_record(answers[op.answer].dead_letter)
+                self._keep_record(answers[op.answers[0]].dead_letter)
                 self._warn.warning("record", "%s failed (%s); the dead letter is kept and "
                                    "written later", op.what, reply)
-            elif op.answer >= 0:
-                failed.setdefault(op.answer, f"{op.what}: {reply}")
+            elif op.answers:
+                for i in op.answers:
+                    failed.setdefault(i, f"{op.what}: {reply}")
             else:  # the recent list, or the stream's acks (stream or group gone)
                 key = op.what.split(" ", 1)[1]  # one line per key, not per command
                 self._warn.warning(key, "%s failed: %s", op.what, reply)

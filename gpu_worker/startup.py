@@ -1,8 +1,10 @@
-"""The worker's start-up steps that build a part each: the preprocessing pool with its
-shared-memory slots, the model runner (warmed up), and the consumer groups in Redis.
-
-Called in this order by ``Worker.setup`` (loop.py), after the calibration profile has
-settled the batch sizes (gpu_worker/tuning/apply.py), which the slots and warm-up depend on.
+"""The worker's start-up, in one phase: :func:`build` makes every part the main loop runs
+on, whole, or none of them. In order: the model's handler; the calibration profile, which
+settles the batch sizes (gpu_worker/tuning/apply.py) that the slots and the warm-up depend
+on; the preprocessing pool with its shared-memory slots (its processes start while the
+model warms up); the model runner, warmed up; the consumer groups in Redis; the writer.
+Each part that holds a resource registers its closing on the caller's ExitStack as soon as
+it exists, so a failure half-way closes what was built.
 """
 
 from __future__ import annotations
@@ -11,19 +13,23 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
 
 import redis
 from redbatch import __version__
 from redbatch.common.config import BatchSettings, Settings
-from redbatch.common.redis_io import REDIS_ERRORS, Backoff, RedisUnavailable, error_code
+from redbatch.common.protocol import Keys
+from redbatch.common.redis_io import REDIS_ERRORS, Backoff, RedisUnavailable, connect, error_code
 from redbatch.gpu_worker import malloc_tuning
 from redbatch.gpu_worker.batcher import Batcher, LanePolicy, LatencyEstimator
 from redbatch.gpu_worker.capacity import Capacity
 from redbatch.gpu_worker.intake import Intake, Job
 from redbatch.gpu_worker.metrics import Health, WorkerMetrics
 from redbatch.gpu_worker.model import ModelRunner
+from redbatch.gpu_worker.results import ResultWriter
 from redbatch.gpu_worker.tuning.apply import Tuned, warmup_sizes
-from redbatch.handlers.base import Handler
+from redbatch.handlers.base import Handler, load_handler, preprocesses_inline
 from redbatch.preproc_worker.pool import PreprocPool
 from redbatch.preproc_worker.shm import SlotAllocator, SlotArray, sweep_orphans
 from redbatch.preproc_worker.worker import PreprocDone
@@ -44,16 +50,75 @@ def batching(b: BatchSettings, latency: LatencyEstimator, preferred_sizes: tuple
     return capacity, batcher
 
 
-def start_pool(s: Settings, handler: Handler,
-               on_done: Callable[[PreprocDone], None]) -> tuple[SlotArray, SlotAllocator,
-                                                                PreprocPool]:
+def tune(s: Settings, handler: Handler,
+         latency: LatencyEstimator) -> tuple[Tuned, Capacity, Batcher[Job]]:
+    """Threads, device, model and calibration profile (gpu_worker/tuning/apply.py), and the
+    batching pieces rebuilt for the batch sizes they settled; the latency estimator starts
+    from the profile's measured times."""
+    from redbatch.gpu_worker.tuning.apply import tune as apply_profile
+
+    tuned = apply_profile(s, handler)
+    for note in tuned.notes:
+        logger.info("tuning: %s", note)
+    capacity, batcher = batching(tuned.settings.batch, latency, tuned.preferred_sizes,
+                                 tuned.always_round_up)
+    latency.seed(tuned.latency_s)
+    return tuned, capacity, batcher
+
+
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """Everything the main loop runs on, as :func:`build` made it."""
+
+    #: The settings as the calibration profile settled them.
+    settings: Settings
+    tuned: Tuned
+    capacity: Capacity
+    batcher: Batcher[Job]
+    slots: SlotArray
+    allocator: SlotAllocator
+    pool: PreprocPool
+    runner: ModelRunner
+    #: The handler, when its preprocessing is trivial enough to run in the main loop.
+    inline: Handler | None
+    intake: Intake
+    writer: ResultWriter
+
+
+def build(s: Settings, latency: LatencyEstimator, metrics: WorkerMetrics, health: Health,
+          on_records: Callable[[list[PreprocDone]], None], stop: threading.Event,
+          stack: ExitStack) -> Parts:
+    """Every part, in the order of the module's docstring; what holds a resource closes
+    with ``stack``. Raises ValueError for a bad model or device, RedisUnavailable when
+    ``stop`` is set while Redis is awaited."""
+    handler = load_handler(s.model.spec, s.limits)
+    tuned, capacity, batcher = tune(s, handler, latency)
+    s = tuned.settings
+    metrics.max_batch_size = s.batch.max_batch_size
+    slots, allocator, pool = start_pool(s, handler, on_records, stack)
+    runner = load_model(s, tuned, handler, slots, latency, metrics)
+    stack.callback(runner.close)
+    health.model_loaded = True
+    intake = Intake(connect(s.redis), Keys(s.model.served_name, s.redis.prefix), s.consumer,
+                    s.limits.max_payload_bytes, s.reclaim_idle_ms, s.max_deliveries)
+    wait_for_redis(intake, health, stop)
+    writer = ResultWriter(connect(s.redis), intake.keys, s.consumer, s.result_ttl_s)
+    inline = handler if preprocesses_inline(handler) else None
+    return Parts(s, tuned, capacity, batcher, slots, allocator, pool, runner, inline, intake,
+                 writer)
+
+
+def start_pool(s: Settings, handler: Handler, on_records: Callable[[list[PreprocDone]], None],
+               stack: ExitStack) -> tuple[SlotArray, SlotAllocator, PreprocPool]:
     """Sweep what dead workers with our prefix left in /dev/shm (NOTE [ Shared-memory
     lifetime ] in shm.py), then create the slots and start the pool processes."""
     sweep_orphans(s.pool.shm_prefix)
     slots = SlotArray.create(s.batch.max_inflight, handler.input_shape, handler.input_dtype,
                              s.pool.shm_prefix)
+    stack.callback(slots.close)  # last: the pool's processes and the model use the slots
     pool = PreprocPool(s.model.spec, s.limits, s.pool, slots.layout)
-    pool.start(on_done=on_done)
+    stack.callback(pool.close)
+    pool.start(on_records=on_records)
     return slots, SlotAllocator(s.batch.max_inflight), pool
 
 

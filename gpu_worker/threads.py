@@ -2,8 +2,10 @@
 
 The reader takes jobs from Redis (gpu_worker/intake.py) into free in-flight places; the
 model thread submits batches to the runner and the collect thread waits for their outputs
-(NOTE [ Device path ] in model.py). None of them touches the main loop's state: they talk to
-it through its event queue (NOTE [ Worker threads ] in loop.py).
+(NOTE [ Device path ] in model.py); the writer writes answers and acknowledges their jobs
+(results.py), so that a slow Redis never stalls the main loop's batching. None of them
+touches the main loop's state: they talk to it through its event queue (NOTE [ Worker
+threads ] in loop.py).
 """
 
 from __future__ import annotations
@@ -15,17 +17,30 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
-from redbatch.common.redis_io import REDIS_ERRORS, Backoff, error_code
+from redbatch.common.redis_io import (
+    REDIS_ERRORS,
+    Backoff,
+    RedisRefused,
+    RedisUnavailable,
+    error_code,
+)
 from redbatch.gpu_worker.capacity import Capacity
-from redbatch.gpu_worker.events import DeviceLost, Event, Idle, Ran, Read
+from redbatch.gpu_worker.events import DeviceLost, Event, Idle, Launch, Ran, Read, Written
 from redbatch.gpu_worker.intake import Intake, Job
 from redbatch.gpu_worker.metrics import Health, WorkerMetrics
 from redbatch.gpu_worker.model import DeviceFailure, ModelRunner
+from redbatch.gpu_worker.reclaim import Reclaimer
+from redbatch.gpu_worker.results import Answer, ResultWriter
 
 logger = logging.getLogger(__name__)
 
-#: A batch for the model thread: its jobs, their batch-wait times (ms), the size to run at.
-Launch = tuple[list[Job], list[float], int]
+#: How long the reader waits for a bulk place to come free before it blocks on the
+#: interactive stream alone, s. Places come free with each write of answers, so while bulk
+#: work flows this ends at the next write and the reader never sleeps on Redis with bulk
+#: places idle (with 2 ms, bulk scored at 0.55-0.65x the interactive rate here; with 10,
+#: at parity). The price: while bulk fills the worker and no place frees (a slow model),
+#: an interactive job arriving now is read up to this much later.
+BULK_ROOM_WAIT_S = 0.010
 
 
 class Reader:
@@ -44,6 +59,11 @@ class Reader:
     def run(self, stop: threading.Event, max_inflight: int, block_ms: int,
             idle_wait_s: float) -> None:
         while not stop.is_set():
+            # Bulk at its bound: its places come free with answers, not with anything
+            # arriving in Redis, so wait for one briefly here before a read that would
+            # block on the interactive stream alone (Intake._read_new).
+            if self.capacity.bulk_room() == 0:
+                self.capacity.wait_for_bulk_room(BULK_ROOM_WAIT_S)
             n = self.capacity.take_up_to(max_inflight, timeout_s=idle_wait_s)
             if n and not self._read(n, block_ms):
                 self.capacity.give_back(n)
@@ -75,14 +95,30 @@ class Reader:
         return True
 
 
-def submit_batches(runner: ModelRunner, batches: queue.SimpleQueue[Launch | None],
+def submit_batches(runner: ModelRunner, reclaimer: Reclaimer,
+                   batches: queue.SimpleQueue[Launch | None],
                    collecting: queue.SimpleQueue[Any]) -> None:
-    """Model thread: submit each batch (on CUDA this returns before it has run), until None."""
+    """Model thread: submit each batch (on CUDA this returns before it has run), until None.
+    A taken-over job has its delivery counted first (an XCLAIM, here and not on the main
+    loop, so a slow Redis never stalls batching; NOTE [ Poison jobs ] in reclaim.py)."""
     while (item := batches.get()) is not None:
-        batch, waits, size = item
+        batch, waits, size, suspect = item
+        if suspect:
+            count_delivery(reclaimer, batch[0])
         job = runner.submit([j.slot for j in batch], [j.envelope.params for j in batch], size)
         collecting.put((batch, waits, job))
     collecting.put(None)
+
+
+def count_delivery(reclaimer: Reclaimer, job: Job) -> None:
+    """Charge a taken-over job one delivery before it runs. When Redis cannot count it
+    (unreachable, refusing, the group gone with a Redis restarted empty) it runs uncounted
+    this once; the lease and the next takeover still bound it."""
+    try:
+        reclaimer.charge(job.stream, job.entry_id)
+    except redis.RedisError as e:
+        logger.warning("could not count a delivery of taken-over job %s (%s); running "
+                       "it anyway", job.request_id, e)
 
 
 def collect_batches(runner: ModelRunner, collecting: queue.SimpleQueue[Any],
@@ -97,3 +133,18 @@ def collect_batches(runner: ModelRunner, collecting: queue.SimpleQueue[Any],
             put(DeviceLost(str(e)))
             return
         put(Ran(batch, outcomes, job.run_s * 1000, waits, job.size))
+
+
+def write_answers(writer: ResultWriter, outgoing: queue.SimpleQueue[list[Answer] | None],
+                  put: Callable[[Event], None]) -> None:
+    """Writer thread: write each group of answers with their acknowledgements and hand the
+    outcome back as a Written event, until None. A failed write is handed back whole (the
+    main loop retries it); nothing here ends the thread."""
+    while (answers := outgoing.get()) is not None:
+        try:
+            put(Written(answers, writer.write_and_ack(answers)))
+        except (RedisUnavailable, RedisRefused) as e:
+            put(Written(answers, error=e))
+        except Exception as e:  # a bug must not leave answers unwritten for good
+            logger.exception("writing %d answers failed", len(answers))
+            put(Written(answers, error=RedisUnavailable(f"writing failed: {e!r}")))

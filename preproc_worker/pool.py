@@ -1,30 +1,40 @@
 """The preprocessing pool: N processes decoding into shared-memory slots, kept alive.
 
-The worker's main thread owns the pool: it calls ``submit``, ``complete``
+The worker's main thread owns the pool: it calls ``submit_many``, ``complete``
 and ``reap``. A small pump thread only forwards finished records from the
-shared results queue to the callback given to ``start``.
+shared results queue to the callback given to ``start``, one list per message.
 
 NOTE [ Pool crash handling ]
-  Each process has its own task queue holding at most ``PREFETCH`` tasks
-  (the rest wait in the pool's backlog), so the pool knows which tasks each
-  one holds and a slow process does not hoard work. When ``reap`` finds a
-  dead process it starts a replacement and resubmits every task the dead one
-  held as a new attempt (a late record of the old attempt is then ignored).
-  Only the task it was working on when it died
-  is charged with the crash; once a task has been charged more than
-  ``crash_retries`` times it is answered ``preprocess_crashed`` instead.
+  Work crosses in chunks: one task-queue message carries a list of tasks, and a
+  process answers with one message carrying the list of their records (a chunk
+  that runs long is answered in a few, see FLUSH_AFTER_S in worker.py). Each
+  process holds at most ``_Pace.bound`` tasks (the rest wait in the pool's two
+  lines, urgent first), so the pool knows which tasks each one holds and a slow
+  process does not hoard work. While it works, a process keeps the key of the
+  task in hand (not the chunk) in its shared ``current``.
+  When ``reap`` finds a dead process it starts a replacement and resubmits every
+  task the dead one held and was not answered for, as a new attempt, ahead of
+  the backlog. Records of its chunk that it had sent before dying are accepted
+  as usual if ``complete`` sees them before ``reap``; those still unsent die with
+  it and their tasks simply run again; a record that arrives after ``reap`` is of
+  an old attempt and is ignored. So every task is answered exactly once.
+  Only the task named in ``current`` when it died is charged with the crash;
+  once a task has been charged more than ``crash_retries`` times it is answered
+  ``preprocess_crashed`` instead.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing as mp
 import os
 import queue
+import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import Any
@@ -32,13 +42,27 @@ from typing import Any
 from redbatch.common.config import LimitSettings, PoolSettings
 from redbatch.common.protocol import ErrorCode
 from redbatch.preproc_worker.shm import SlotLayout, name_semaphores_after
-from redbatch.preproc_worker.worker import IDLE, ChildConfig, PreprocDone, PreprocTask, run_child
+from redbatch.preproc_worker.worker import (
+    IDLE,
+    ChildConfig,
+    PreprocDone,
+    PreprocTask,
+    Task,
+    run_child,
+)
 
 logger = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT_S = 5.0
-#: Tasks queued to one process at a time: one being worked on, one ready next.
-PREFETCH = 2
+#: Work queued to one process at a time, in ms of preprocessing as recent records measured
+#: it: enough that light tasks cross in chunks, so little that an urgent task arriving is
+#: never queued behind much bulk work inside a process.
+PREFETCH_MS = 5.0
+#: Tasks queued to one process at a time, whatever their cost: at least one being worked on
+#: and one ready next; at most this many.
+MIN_PREFETCH, MAX_PREFETCH = 2, 64
+#: Records the pace looks back on, and how often it looks again.
+_PACE_WINDOW, _PACE_EVERY = 32, 8
 
 
 @dataclass(slots=True)
@@ -48,6 +72,32 @@ class _Child:
     tasks: Any  # its own task queue
     current: Any  # shared int: key of the task being worked on, or IDLE
     inflight: dict[int, PreprocTask] = field(default_factory=dict)
+
+
+class _Pace:
+    """How many tasks a process may hold: about PREFETCH_MS of work at the median
+    preprocessing time of recent records (one huge photo, or the first task's warm-up, moves
+    it little), within [MIN_PREFETCH, MAX_PREFETCH]. Chunks are at most half of it, so that
+    one is ready while the other is worked on. Until records come back, tasks count as heavy."""
+
+    def __init__(self) -> None:
+        self.bound = MIN_PREFETCH
+        self._recent: deque[float] = deque(maxlen=_PACE_WINDOW)
+        self._unseen = 0
+
+    def observe(self, records: Sequence[PreprocDone]) -> None:
+        self._recent.extend(r.preprocess_ms for r in records)
+        self._unseen += len(records)
+        if self._unseen < _PACE_EVERY:
+            return
+        self._unseen = 0
+        typical_ms = statistics.median(self._recent)
+        fit = int(PREFETCH_MS / typical_ms) if typical_ms > 0 else MAX_PREFETCH
+        self.bound = max(MIN_PREFETCH, min(MAX_PREFETCH, fit))
+
+    @property
+    def chunk(self) -> int:
+        return self.bound // 2
 
 
 class PreprocPool:
@@ -68,6 +118,7 @@ class PreprocPool:
         # any bulk one, and in arrival order among themselves, so none starves at saturation.
         self._urgent: deque[PreprocTask] = deque()
         self._backlog: deque[PreprocTask] = deque()
+        self._pace = _Pace()
         self._strikes: dict[int, int] = {}  # task key -> crashes charged to it
         self._stop = threading.Event()
         self._pump: threading.Thread | None = None
@@ -75,10 +126,11 @@ class PreprocPool:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self, on_done: Callable[[PreprocDone], None]) -> None:
-        """Start the processes and the pump thread that calls ``on_done`` per record."""
+    def start(self, on_records: Callable[[list[PreprocDone]], None]) -> None:
+        """Start the processes and the pump thread, which calls ``on_records`` once per
+        message with its list of records."""
         self._children = [self._spawn(i) for i in range(self._settings.processes)]
-        self._pump = threading.Thread(target=self._pump_loop, args=(on_done,),
+        self._pump = threading.Thread(target=self._pump_loop, args=(on_records,),
                                       name="preproc-pump", daemon=True)
         self._pump.start()
 
@@ -90,15 +142,15 @@ class PreprocPool:
         proc.start()
         return _Child(index, proc, tasks, current)
 
-    def _pump_loop(self, on_done: Callable[[PreprocDone], None]) -> None:
+    def _pump_loop(self, on_records: Callable[[list[PreprocDone]], None]) -> None:
         while not self._stop.is_set():
             try:
-                record = self._results.get(timeout=0.2)
+                records = self._results.get(timeout=0.2)
             except queue.Empty:
                 continue
             except (EOFError, OSError):
                 return  # queue closed at shutdown
-            on_done(record)
+            on_records(records)
 
     def close(self) -> None:
         """Stop the processes (sentinel, then terminate, then kill) and the pump."""
@@ -128,42 +180,60 @@ class PreprocPool:
         """Processes working on a task right now (each says so in its shared ``current``)."""
         return sum(c.current.value != IDLE for c in self._children)
 
+    def submit_many(self, tasks: Iterable[Task]) -> list[int]:
+        """Queue tasks, urgent ones (interactive jobs) ahead of the backlog, and send what
+        fits to the least busy processes in chunks; returns their keys, in order."""
+        keys = []
+        for t in tasks:
+            key = next(self._keys)
+            keys.append(key)
+            line = self._urgent if t.urgent else self._backlog
+            line.append(PreprocTask(key, t.slot, t.payload, t.content_type, t.params))
+        self._dispatch()
+        return keys
+
     def submit(self, slot: int, payload: bytes, content_type: str,
                params: dict[str, Any], urgent: bool = False) -> int:
-        """Queue a task on the least busy process; returns its key. ``urgent`` tasks
-        (interactive jobs) go ahead of the backlog."""
-        task = PreprocTask(next(self._keys), slot, payload, content_type, params)
-        self._assign(task, urgent)
-        return task.key
-
-    def _assign(self, task: PreprocTask, urgent: bool = False) -> None:
-        (self._urgent if urgent else self._backlog).append(task)
-        self._dispatch()
+        """``submit_many`` of one task; returns its key."""
+        return self.submit_many([Task(slot, payload, content_type, params, urgent)])[0]
 
     def _dispatch(self) -> None:
-        """Move waiting tasks, urgent ones first, to the least busy processes with room."""
+        """Move waiting tasks, urgent ones first, to the least busy processes with room for a
+        chunk, in chunks that share what waits among them. (Topping a process up with what
+        just came back would shrink the chunks to the size of the records' messages.)"""
+        size, most = self._pace.chunk, self._pace.bound - self._pace.chunk
         while self._urgent or self._backlog:
-            child = min(self._children, key=lambda c: len(c.inflight))
-            if len(child.inflight) >= PREFETCH:
+            open_ = [c for c in self._children if len(c.inflight) <= most]
+            if not open_:
                 return
-            task = (self._urgent or self._backlog).popleft()
-            child.inflight[task.key] = task
-            child.tasks.put(task)
+            child = min(open_, key=lambda c: len(c.inflight))
+            waiting = len(self._urgent) + len(self._backlog)
+            n = min(size, math.ceil(waiting / len(open_)))
+            chunk = [(self._urgent or self._backlog).popleft() for _ in range(n)]
+            child.inflight.update((task.key, task) for task in chunk)
+            child.tasks.put(chunk)
 
-    def complete(self, record: PreprocDone) -> bool:
-        """Accept a finished record; False for a stale one (task was resubmitted)."""
+    def complete(self, records: Sequence[PreprocDone]) -> list[PreprocDone]:
+        """Accept finished records; returns those accepted, in order, leaving out stale
+        ones (their task was resubmitted after a crash). Sends waiting work on."""
+        accepted = [r for r in records if self._accept(r)]
+        self._pace.observe(accepted)
+        self._dispatch()
+        return accepted
+
+    def _accept(self, record: PreprocDone) -> bool:
         for child in self._children:
             task = child.inflight.get(record.key)
             if task is not None and task.attempt == record.attempt:
                 del child.inflight[record.key]
                 self._strikes.pop(record.key, None)
-                self._dispatch()
                 return True
         return False
 
     def reap(self) -> list[PreprocDone]:
         """Replace dead processes and resubmit their tasks; returns give-up records."""
         given_up: list[PreprocDone] = []
+        restarts = self.restarts
         for i, child in enumerate(self._children):
             if child.process.is_alive() or self._stop.is_set():
                 continue
@@ -173,9 +243,13 @@ class PreprocPool:
             _discard_task_queue(child.tasks)  # its unread tasks are resubmitted below
             self._children[i] = self._spawn(child.index)
             given_up += self._resubmit(child)
+        if self.restarts != restarts:
+            self._dispatch()  # to the new processes
         return given_up
 
     def _resubmit(self, dead: _Child) -> list[PreprocDone]:
+        """Its unanswered tasks go ahead of the backlog as new attempts, but for the one it
+        died on once that one has used up its retries. See NOTE [ Pool crash handling ]."""
         given_up = []
         suspect = dead.current.value
         for task in dead.inflight.values():
@@ -188,7 +262,7 @@ class PreprocPool:
                                                 f"preprocessing process died {strikes} times "
                                                 "on this input", attempt=task.attempt))
                     continue
-            self._assign(replace(task, attempt=task.attempt + 1), urgent=True)
+            self._urgent.append(replace(task, attempt=task.attempt + 1))
         return given_up
 
     def pids(self) -> list[int]:

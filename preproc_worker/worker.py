@@ -1,8 +1,11 @@
-"""The loop of one preprocessing process: take a task, decode into its slot, report.
+"""The loop of one preprocessing process: take a chunk of tasks, decode each into its slot,
+report the chunk's records in one message.
 
 Modelled on PyTorch's DataLoader worker loop: every blocking get has a
 timeout, the parent is checked on each pass, ``None`` means stop, and a bad
 input becomes an error record, never an exception that kills the process.
+:func:`preprocess_group` is the same work without a process, for handlers whose
+preprocessing is trivial (see ``preprocesses_inline`` in handlers/base.py).
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from multiprocessing.queues import Queue
 from multiprocessing.sharedctypes import Synchronized
-from typing import Any
+from operator import attrgetter
+from typing import Any, TypeVar
 
 from redbatch.common.config import LimitSettings
 from redbatch.common.protocol import ErrorCode
@@ -25,12 +30,43 @@ from redbatch.preproc_worker.shm import SlotArray, SlotLayout
 
 #: Seconds between checks that the parent is still alive.
 STATUS_CHECK_INTERVAL_S = 0.5
+#: A process sends the records it has once the oldest has waited this long, seconds, even
+#: mid-chunk: so a record waits at most this plus one task for the rest of its chunk.
+FLUSH_AFTER_S = 0.002
 IDLE = -1
+
+_C = TypeVar("_C", bound=type)
+
+
+def _pickled_as_fields(cls: _C) -> _C:
+    """Pickle a slotted dataclass as its class and its field values: every task and record
+    crosses a process boundary, and this takes a fifth of the default's time (which runs
+    Python ``__getstate__``/``__setstate__`` per object) to pickle, half to unpickle."""
+    values: Callable[[Any], tuple[Any, ...]] = attrgetter(*(f.name for f in fields(cls)))
+
+    def __reduce__(self: Any) -> tuple[type, tuple[Any, ...]]:
+        return cls, values(self)
+
+    cls.__reduce__ = __reduce__  # type: ignore[method-assign,assignment]
+    return cls
 
 
 @dataclass(frozen=True, slots=True)
+class Task:
+    """One job's input as the worker hands it over: decode ``payload`` into ``slot``.
+    ``urgent`` (an interactive job) puts it ahead of the pool's bulk backlog."""
+
+    slot: int
+    payload: bytes
+    content_type: str
+    params: dict[str, Any] = field(default_factory=dict)
+    urgent: bool = False
+
+
+@_pickled_as_fields
+@dataclass(frozen=True, slots=True)
 class PreprocTask:
-    """One payload to decode into one slot.
+    """One payload to decode into one slot, as the pool tracks it.
 
     ``key`` names the task for its whole life; ``attempt`` grows each time it
     is resubmitted after a crash, so a late record of an old attempt is told apart.
@@ -44,6 +80,7 @@ class PreprocTask:
     attempt: int = 0
 
 
+@_pickled_as_fields
 @dataclass(frozen=True, slots=True)
 class PreprocDone:
     """The outcome of a task: the slot is filled, or ``error_code`` says why not."""
@@ -67,18 +104,41 @@ class ChildConfig:
     limits: LimitSettings
 
 
-def preprocess_one(handler: Any, slots: SlotArray, task: PreprocTask) -> PreprocDone:
-    """Run the handler's preprocess into the task's slot; bad input becomes an error record."""
+def _preprocess(handler: Any, out: Any, payload: bytes, content_type: str,
+                params: Mapping[str, Any]) -> tuple[ErrorCode | None, str, float]:
+    """Run the handler's preprocess into ``out``: (error code or None, message, wall ms)."""
     start = time.perf_counter()
     try:
-        handler.preprocess(task.payload, task.content_type, task.params, slots.array[task.slot])
+        handler.preprocess(payload, content_type, params, out)
         code, message = None, ""
     except InputError as e:
         code, message = e.code, e.message
     except Exception as e:  # a handler bug must not take the process down with it
         code, message = ErrorCode.BAD_INPUT, f"preprocess failed: {type(e).__name__}: {e}"
-    elapsed_ms = (time.perf_counter() - start) * 1000
-    return PreprocDone(task.key, task.slot, code, message, elapsed_ms, task.attempt)
+    return code, message, (time.perf_counter() - start) * 1000
+
+
+def preprocess_one(handler: Any, slots: SlotArray, task: PreprocTask) -> PreprocDone:
+    """Run the handler's preprocess into the task's slot; bad input becomes an error record."""
+    code, message, ms = _preprocess(handler, slots.array[task.slot], task.payload,
+                                    task.content_type, task.params)
+    return PreprocDone(task.key, task.slot, code, message, ms, task.attempt)
+
+
+def preprocess_group(handler: Any, slots: SlotArray, tasks: Sequence[Task]) -> list[PreprocDone]:
+    """Preprocess ``tasks`` into their slots right here, in the caller's thread: the path of a
+    handler whose preprocessing is trivial (``preprocesses_inline`` in handlers/base.py), with
+    no pool hop. Returns one record per task, in order, with the error records a pool process
+    gives (the ``key`` of a record is its task's position in ``tasks``; it never names a pool
+    task). A handler that crashes its process here takes the caller down: only trivial,
+    trusted preprocessing may run inline."""
+    array = slots.array
+    records = []
+    for i, t in enumerate(tasks):
+        code, message, ms = _preprocess(handler, array[t.slot], t.payload, t.content_type,
+                                        t.params)
+        records.append(PreprocDone(i, t.slot, code, message, ms))
+    return records
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
@@ -93,8 +153,8 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     os._exit(0)
 
 
-def run_child(cfg: ChildConfig, tasks: Queue[PreprocTask | None], results: Queue[PreprocDone],
-              current: Synchronized[int]) -> None:
+def run_child(cfg: ChildConfig, tasks: Queue[list[PreprocTask] | None],
+              results: Queue[list[PreprocDone]], current: Synchronized[int]) -> None:
     """Process entry point. ``current`` tells the parent which task is being worked on,
     so that if this process dies only that task is suspected of killing it."""
     # The worker decides when the pool stops: Ctrl-C in a terminal, or a
@@ -112,14 +172,32 @@ def run_child(cfg: ChildConfig, tasks: Queue[PreprocTask | None], results: Queue
     try:
         while os.getppid() == cfg.parent_pid:
             try:
-                task = tasks.get(timeout=STATUS_CHECK_INTERVAL_S)
+                chunk = tasks.get(timeout=STATUS_CHECK_INTERVAL_S)
             except queue.Empty:
                 continue
-            if task is None:
+            if chunk is None:
                 break
-            current.value = task.key
-            results.put(preprocess_one(handler, slots, task))
-            current.value = IDLE
-            heap.after_task()  # after the record is queued, so a trim never delays a reply
+            _run_chunk(handler, slots, chunk, results, current)
+            heap.after_task()  # after the records are queued, so a trim never delays a reply
     finally:
         slots.close()
+
+
+def _run_chunk(handler: Any, slots: SlotArray, chunk: list[PreprocTask],
+               results: Queue[list[PreprocDone]], current: Synchronized[int]) -> None:
+    """Preprocess a chunk, sending its records in one message, or in a few when it runs
+    long (FLUSH_AFTER_S). See NOTE [ Pool crash handling ] in pool.py for ``current``."""
+    done: list[PreprocDone] = []
+    oldest = 0.0
+    for task in chunk:
+        current.value = task.key
+        done.append(preprocess_one(handler, slots, task))
+        now = time.perf_counter()
+        if len(done) == 1:
+            oldest = now
+        elif now - oldest >= FLUSH_AFTER_S:
+            results.put(done)
+            done = []
+    if done:
+        results.put(done)
+    current.value = IDLE

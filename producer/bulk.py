@@ -1,9 +1,9 @@
 """Bulk scoring: stream many inputs through the workers with a bounded window of jobs in flight.
 
 Every job names the run's reply list in ``reply_to``, so collecting is one
-BLPOP on one key however many jobs are in flight; results are deleted from
-Redis once written to the output, so neither Redis nor this process grows
-with the number of inputs.
+BLMPOP (up to COLLECT_CHUNK ids) on one key however many jobs are in flight;
+results are deleted from Redis once written to the output, so neither Redis
+nor this process grows with the number of inputs.
 
 NOTE [ Interrupting a scoring run ]
   The first SIGINT/SIGTERM stops submitting; jobs in flight are collected
@@ -21,8 +21,8 @@ NOTE [ Redis going away ]
   them again unchanged: request ids are unique (PROTOCOL.md), so the ones
   queued the first time come back as duplicates and count as queued. No job
   is lost and none runs twice. Collecting waits out the outage the same way.
-  A BLPOP whose reply is cut off by a broken connection has still popped its
-  id from the reply list, so the reply list alone can lose a finished job:
+  A BLMPOP whose reply is cut off by a broken connection has still popped its
+  ids from the reply list, so the reply list alone can lose a finished job:
   every SWEEP_EVERY_S the scorer also looks up the result keys of jobs in
   flight for longer than that, and collects the ones that are there.
 """

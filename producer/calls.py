@@ -12,9 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
+
+from redbatch.common.protocol import ResultEnvelope
 
 T = TypeVar("T")
+
+Outcome = ResultEnvelope | Exception
+"""What a wait on the reply list is handed: the result, or the error its caller raises."""
 
 Arg = bytes | str | int | float
 """One argument of a Redis command."""
@@ -59,7 +64,24 @@ class Pause:
     seconds: float
 
 
-Step = Command | Admit | Pipelined | Pause
+class Inbox(Protocol):
+    """Where the reply reader (``replies.py``) hands a waiting operation its outcomes; each
+    face has its own, which it also reads (see :class:`Receive`)."""
+
+    def deliver(self, request_id: str, outcome: Outcome) -> None:
+        """Hand over the outcome of ``request_id``; never blocks."""
+
+
+@dataclass(frozen=True, slots=True)
+class Receive:
+    """Wait until ``due`` (monotonic s) for the next outcome handed to ``inbox``, an inbox
+    of the face's own kind; the reply is ``(request_id, outcome)``, or None once due."""
+
+    inbox: Inbox
+    due: float
+
+
+Step = Command | Admit | Pipelined | Pause | Receive
 
 Steps = Generator[Step, Any, T]
 """An operation of the client: yields steps, returns a T."""

@@ -1,10 +1,13 @@
 """Submit jobs and wait for their results: the client API, blocking and asyncio.
 
 A job is one XADD to the model's lane stream. Its result is a msgpack string
-key that the worker writes together with one token pushed onto a per-request
-"done" list; the client waits with BLPOP on that list and then reads the key.
-Because the result key is durable (until its TTL), a waiting connection that
-drops loses nothing: the client reconnects and reads the key again.
+key that the worker writes; the jobs a client submits name its reply list, where
+the worker then pushes their request ids, and one reader per client and model
+pops them in groups and hands every waiting call its result: many waits in one
+process share one connection (NOTE [ Waiting in groups ] in ``replies.py``). Any
+other id is awaited per request (``wait.py``). Because the result key is durable
+(until its TTL), a connection that drops loses nothing: the client reconnects
+and reads the key again.
 
 Admission control: every submit runs the protocol's admission script (an atomic
 check-and-XADD), so a lane with a bound in the model's limits hash refuses jobs
@@ -13,35 +16,33 @@ nothing is queued for the refused jobs. The same script refuses a request id tha
 another job still owns (:class:`DuplicateRequestId`), so submitting the same envelope
 again after a lost reply is safe: the job is queued at most once.
 
-Waiting honours its timeout whatever Redis does (see ``wait.py``): a Redis that is
-gone, restarting or hung ends it with ResultTimeout.
+Waiting honours its timeout whatever Redis does (see ``wait.py`` and ``replies.py``):
+a Redis that is gone, restarting or hung ends it with ResultTimeout.
 
-The logic is written once, without I/O, in ``core.py`` and ``wait.py``: each operation
-is a generator of Redis calls (``calls.py``). :class:`Client` runs those calls blocking
-and :class:`AsyncClient` awaits them; this module holds only the two faces. The errors
-live in ``errors.py`` and are re-exported here, where users import them from.
+The logic is written once, without I/O, in ``core.py``, ``wait.py`` and ``replies.py``:
+each operation is a generator of Redis calls (``calls.py``). :class:`Client` runs those
+calls blocking and :class:`AsyncClient` awaits them (``runners.py``), each with its own
+reply reader (``readers.py``); this module holds only the two faces. The errors live in
+``errors.py`` and are re-exported here, where users import them from.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+import threading
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
-import redis
-import redis.asyncio as aioredis
 from redbatch.common.config import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MODEL, DEFAULT_REDIS_URL
-from redbatch.common.protocol import ADMIT_SCRIPT, DEFAULT_PREFIX, JobEnvelope, Lane, ResultEnvelope
+from redbatch.common.protocol import DEFAULT_PREFIX, JobEnvelope, Lane, ResultEnvelope
 from redbatch.common.redis_io import connect, connect_async
-from redbatch.producer.calls import Admit, Command, Pause, Pipelined, Step, Steps
 from redbatch.producer.core import ClientCore, QueueState
 from redbatch.producer.errors import DuplicateRequestId, QueueFull, ResultTimeout, ResultUnreadable
+from redbatch.producer.readers import ReaderTask, ReaderThread
+from redbatch.producer.runners import AsyncInbox, AsyncRunner, BlockingRunner, SyncInbox
 
 __all__ = ["AsyncClient", "Client", "DuplicateRequestId", "QueueFull", "QueueState", "Result",
            "ResultTimeout", "ResultUnreadable"]
 
-T = TypeVar("T")
 Result = ResultEnvelope
 
 
@@ -58,7 +59,10 @@ class Client(ClientCore):
                  max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
         super().__init__(redis_url, model, prefix, max_payload_bytes)
         self.redis = connect(redis_url)
-        self._admit = self.redis.register_script(ADMIT_SCRIPT)
+        self._run = BlockingRunner(self.redis).run
+        self._readers: dict[str, ReaderThread] = {}
+        self._readers_lock = threading.Lock()
+        self._closed = False
 
     def submit(self, payload: bytes, *, model: str | None = None, timeout_s: float | None = None,
                lane: Lane | str = Lane.INTERACTIVE, params: Mapping[str, Any] | None = None,
@@ -72,11 +76,16 @@ class Client(ClientCore):
         :class:`DuplicateRequestId` when ``request_id`` belongs to another job.
         """
         job = self.job(payload, model=model, timeout_s=timeout_s, lane=lane, params=params,
-                       content_type=content_type, request_id=request_id)
-        return self._run(self._submit(job))
+                       content_type=content_type, request_id=request_id,
+                       reply_to=self._reply_to(model))
+        try:
+            return self._run(self._submit(job))
+        finally:
+            self._start_readers()
 
     def submit_many(self, payloads: Iterable[bytes], **kw: Any) -> list[str]:
-        """Queue many jobs in one pipelined round trip; same keywords as submit.
+        """Queue many jobs in one pipelined round trip; same keywords as submit. Wait for
+        them with :meth:`results` or :meth:`as_completed`.
 
         Raises :class:`QueueFull` if any job was refused; its ``accepted`` and
         ``refused`` say which were queued and which were not.
@@ -86,8 +95,12 @@ class Client(ClientCore):
     def submit_jobs(self, jobs: Sequence[JobEnvelope]) -> list[str]:
         """Queue envelopes made by :meth:`job` in one pipelined round trip; returns their
         request ids. Raises :class:`QueueFull` as :meth:`submit_many` does; the refused
-        envelopes can be submitted again as they are."""
-        return self._run(self._submit_jobs(jobs))
+        envelopes can be submitted again as they are. Envelopes keep their ``reply_to``:
+        those naming none are awaited per request."""
+        try:
+            return self._run(self._submit_jobs(jobs))
+        finally:
+            self._start_readers()
 
     def set_queue_limit(self, lane: Lane | str, max_jobs: int | None, *,
                         model: str | None = None) -> None:
@@ -103,16 +116,37 @@ class Client(ClientCore):
                model: str | None = None) -> ResultEnvelope:
         """Wait for the result of ``request_id``, ``timeout_s`` seconds at most.
 
+        An id this client submitted is awaited on its reply list, with every other wait
+        of the process (see ``replies.py``); any other id per request (``wait.py``).
         Raises ResultTimeout by then (about 0.2 s later at worst) whatever Redis does:
         an unreachable, restarting or hung Redis is retried until the deadline. (One
-        exception: opening a new connection to a Redis that accepts it but never answers,
-        a stopped process, takes up to the socket timeout, 10 s: redis-py's handshake
-        knows no deadline. The asyncio client has none.) A done
-        key of another type does not end the wait: the result key is polled instead.
-        Raises ResultUnreadable when the result key holds no result envelope. Results
-        are not consumed: reading again returns the same result until it expires.
+        exception, per request only: opening a new connection to a Redis that accepts it
+        but never answers, a stopped process, takes up to the socket timeout, 10 s:
+        redis-py's handshake knows no deadline. The asyncio client has none.) A done
+        key or reply list of another type does not end the wait: the result key is
+        polled instead. Raises ResultUnreadable when the result key holds no result
+        envelope. Results are not consumed: reading again returns the same result until
+        it expires.
         """
-        return self._run(self._result(request_id, timeout_s, model))
+        return self.results([request_id], timeout_s, model=model)[0]
+
+    def results(self, request_ids: Sequence[str], timeout_s: float = 30.0, *,
+                model: str | None = None) -> list[ResultEnvelope]:
+        """Wait for the results of ``request_ids`` (of one model), ``timeout_s`` seconds at
+        most for all of them; returns them in the order of ``request_ids``. Raises as
+        :meth:`result` does; ResultTimeout names one of the ids still missing (use
+        :meth:`as_completed` to keep the results that came)."""
+        got = dict(self._gather(request_ids, timeout_s, model))
+        return [got[rid] for rid in request_ids]
+
+    def as_completed(self, request_ids: Sequence[str], timeout_s: float = 30.0, *,
+                     model: str | None = None) -> Iterator[ResultEnvelope]:
+        """Yield the results of ``request_ids`` (of one model), each id once, in the order
+        they finish; ``timeout_s`` seconds at most for all. Results already there come
+        first; ids this client did not submit come last, one by one. Raises as
+        :meth:`result` does, at the result concerned."""
+        for _, result in self._gather(request_ids, timeout_s, model):
+            yield result
 
     def predict(self, payload: bytes, *, timeout_s: float = 30.0, **kw: Any) -> ResultEnvelope:
         """Submit and wait; the job's deadline is the same ``timeout_s``."""
@@ -120,7 +154,12 @@ class Client(ClientCore):
         return self.result(request_id, timeout_s, model=kw.get("model"))
 
     def close(self) -> None:
-        """Close the client's connections."""
+        """Stop the reply readers and close the client's connections."""
+        with self._readers_lock:
+            self._closed = True
+            readers = list(self._readers.values())
+        for reader in readers:
+            reader.stop()
         self.redis.close()
 
     def __enter__(self) -> Client:
@@ -129,59 +168,24 @@ class Client(ClientCore):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _run(self, steps: Steps[T]) -> T:
-        """Drive ``steps`` to their end, running each step blocking; returns their value.
-        A Redis error a step raises is thrown into ``steps``, which may handle it."""
-        reply: Any = None
-        error: redis.RedisError | None = None
-        while True:
-            try:
-                step = steps.send(reply) if error is None else steps.throw(error)
-            except StopIteration as done:
-                value: T = done.value
-                return value
-            try:
-                reply, error = self._step(step), None
-            except redis.RedisError as e:
-                reply, error = None, e
+    def _start_readers(self) -> None:
+        """Start the reader of each reply list the client named that has none yet."""
+        if len(self._readers) == len(self.reply_waits):
+            return
+        with self._readers_lock:
+            for model, waits in list(self.reply_waits.items()):
+                if model not in self._readers and not self._closed:
+                    self._readers[model] = ReaderThread(waits, self.redis_url)
 
-    def _step(self, step: Step) -> Any:
-        """Run one step; returns its reply."""
-        if isinstance(step, Pause):
-            time.sleep(step.seconds)
-            return None
-        if isinstance(step, Pipelined):
-            pipe = self.redis.pipeline(transaction=False)
-            for call in step.calls:
-                self._send(call, pipe)
-            return pipe.execute(raise_on_error=not step.errors_as_replies)
-        if isinstance(step, Command) and step.due is not None:
-            return self._call_by(step.due, *step.args)
-        return self._send(step, self.redis)
-
-    def _send(self, call: Command | Admit, client: redis.Redis) -> Any:
-        """Send ``call`` through ``client``, or queue it there when it is a pipeline."""
-        if isinstance(call, Admit):
-            return self._admit(call.keys, call.args, client=client)
-        return client.execute_command(*call.args)  # type: ignore[no-untyped-call]  # redis-py
-
-    def _call_by(self, by: float, *args: Any) -> Any:
-        """Run one command on a pooled connection; its reply is due by ``by`` (monotonic s).
-
-        Raises redis.TimeoutError when it is late, after dropping the connection so that a
-        late reply never meets another command; other Redis errors as they come."""
-        pool = self.redis.connection_pool
-        conn = pool.get_connection()
+    def _gather(self, request_ids: Sequence[str], timeout_s: float,
+                model: str | None) -> Iterator[tuple[str, ResultEnvelope]]:
+        """``(request_id, result)`` pairs as they come (see replies.Gathering)."""
+        gathering = self._gathering(request_ids, timeout_s, model, SyncInbox())
         try:
-            # No health check: its PING would wait the socket timeout, past ``by``, on a
-            # hung Redis; a dead connection fails this command, which the caller retries.
-            conn.send_command(*args, check_health=False)  # type: ignore[no-untyped-call]
-            if not conn.can_read(timeout=max(0.0, by - time.monotonic())):
-                conn.disconnect()  # type: ignore[no-untyped-call]
-                raise redis.TimeoutError(f"no reply to {args[0]} in time")
-            return conn.read_response()
+            while (got := self._run(gathering.next())) is not None:
+                yield got
         finally:
-            pool.release(conn)
+            gathering.close()
 
 
 class AsyncClient(ClientCore):
@@ -192,7 +196,8 @@ class AsyncClient(ClientCore):
                  max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
         super().__init__(redis_url, model, prefix, max_payload_bytes)
         self.redis = connect_async(redis_url)
-        self._admit = self.redis.register_script(ADMIT_SCRIPT)
+        self._run = AsyncRunner(self.redis).run
+        self._readers: dict[str, ReaderTask] = {}
 
     async def submit(self, payload: bytes, *, model: str | None = None,
                      timeout_s: float | None = None, lane: Lane | str = Lane.INTERACTIVE,
@@ -201,8 +206,12 @@ class AsyncClient(ClientCore):
                      request_id: str | None = None) -> str:
         """As :meth:`Client.submit`."""
         job = self.job(payload, model=model, timeout_s=timeout_s, lane=lane, params=params,
-                       content_type=content_type, request_id=request_id)
-        return await self._run(self._submit(job))
+                       content_type=content_type, request_id=request_id,
+                       reply_to=self._reply_to(model))
+        try:
+            return await self._run(self._submit(job))
+        finally:
+            self._start_readers()
 
     async def submit_many(self, payloads: Iterable[bytes], **kw: Any) -> list[str]:
         """As :meth:`Client.submit_many`."""
@@ -210,7 +219,10 @@ class AsyncClient(ClientCore):
 
     async def submit_jobs(self, jobs: Sequence[JobEnvelope]) -> list[str]:
         """As :meth:`Client.submit_jobs`."""
-        return await self._run(self._submit_jobs(jobs))
+        try:
+            return await self._run(self._submit_jobs(jobs))
+        finally:
+            self._start_readers()
 
     async def set_queue_limit(self, lane: Lane | str, max_jobs: int | None, *,
                               model: str | None = None) -> None:
@@ -225,7 +237,19 @@ class AsyncClient(ClientCore):
                      model: str | None = None) -> ResultEnvelope:
         """As :meth:`Client.result`: the result, ResultTimeout by ``timeout_s`` whatever
         Redis does, or ResultUnreadable."""
-        return await self._run(self._result(request_id, timeout_s, model))
+        return (await self.results([request_id], timeout_s, model=model))[0]
+
+    async def results(self, request_ids: Sequence[str], timeout_s: float = 30.0, *,
+                      model: str | None = None) -> list[ResultEnvelope]:
+        """As :meth:`Client.results`."""
+        got = {rid: result async for rid, result in self._gather(request_ids, timeout_s, model)}
+        return [got[rid] for rid in request_ids]
+
+    async def as_completed(self, request_ids: Sequence[str], timeout_s: float = 30.0, *,
+                           model: str | None = None) -> AsyncIterator[ResultEnvelope]:
+        """As :meth:`Client.as_completed`, an async iterator."""
+        async for _, result in self._gather(request_ids, timeout_s, model):
+            yield result
 
     async def predict(self, payload: bytes, *, timeout_s: float = 30.0,
                       **kw: Any) -> ResultEnvelope:
@@ -234,7 +258,10 @@ class AsyncClient(ClientCore):
         return await self.result(request_id, timeout_s, model=kw.get("model"))
 
     async def close(self) -> None:
-        """Close the client's connections."""
+        """Cancel the reply readers and close the client's connections."""
+        readers, self._readers = list(self._readers.values()), {}
+        for reader in readers:
+            await reader.stop()
         await self.redis.aclose()
 
     async def __aenter__(self) -> AsyncClient:
@@ -243,50 +270,21 @@ class AsyncClient(ClientCore):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _run(self, steps: Steps[T]) -> T:
-        """As :meth:`Client._run`, awaiting each step."""
-        reply: Any = None
-        error: redis.RedisError | None = None
-        while True:
-            try:
-                step = steps.send(reply) if error is None else steps.throw(error)
-            except StopIteration as done:
-                value: T = done.value
-                return value
-            try:
-                reply, error = await self._step(step), None
-            except redis.RedisError as e:
-                reply, error = None, e
+    def _start_readers(self) -> None:
+        """Start the reader task of each reply list the client named that has none on this
+        event loop (a task of a loop that ended is replaced)."""
+        for model, waits in self.reply_waits.items():
+            reader = self._readers.get(model)
+            if reader is None or not reader.running_here():
+                self._readers[model] = ReaderTask(waits, self.redis_url)
 
-    async def _step(self, step: Step) -> Any:
-        """Run one step; returns its reply."""
-        if isinstance(step, Pause):
-            await asyncio.sleep(step.seconds)
-            return None
-        if isinstance(step, Pipelined):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for call in step.calls:
-                    await self._queue(call, pipe)
-                return await pipe.execute(raise_on_error=not step.errors_as_replies)
-        if isinstance(step, Admit):
-            return await self._admit(step.keys, step.args)
-        return await self._call_by(step.due, *step.args)
-
-    async def _queue(self, call: Command | Admit, pipe: aioredis.client.Pipeline) -> None:
-        """Queue ``call`` on ``pipe``."""
-        if isinstance(call, Admit):
-            await self._admit(call.keys, call.args, client=pipe)
-        else:
-            pipe.execute_command(*call.args)
-
-    async def _call_by(self, by: float | None, *args: Any) -> Any:
-        """One command whose reply is due by ``by`` (monotonic s; None: the socket timeout
-        bounds it); raises redis.TimeoutError when it is late (redis-py drops a connection
-        whose command was cancelled)."""
-        timeout = None if by is None else max(0.0, by - time.monotonic())
+    async def _gather(self, request_ids: Sequence[str], timeout_s: float,
+                      model: str | None) -> AsyncIterator[tuple[str, ResultEnvelope]]:
+        """As :meth:`Client._gather`."""
+        gathering = self._gathering(request_ids, timeout_s, model, AsyncInbox())
         try:
-            return await asyncio.wait_for(
-                self.redis.execute_command(*args),  # type: ignore[no-untyped-call]
-                timeout)
-        except TimeoutError as e:
-            raise redis.TimeoutError(f"no reply to {args[0]} in time") from e
+            while (got := await self._run(gathering.next())) is not None:
+                yield got
+        finally:
+            gathering.close()
+

@@ -3,12 +3,14 @@
 :class:`ClientCore` builds and validates job envelopes, and writes each operation as a
 generator of steps (see ``calls.py``): the face sends the calls and hands back their
 replies, the core turns them into request ids, a :class:`QueueState`, a result, or the
-errors of ``errors.py``.
+errors of ``errors.py``. Jobs sent by ``submit`` and ``submit_many`` name the client's
+reply list of their model, on which all their waits are served together (``replies.py``).
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,21 +18,22 @@ from typing import Any
 import redis
 from redbatch.common.protocol import (
     DUPLICATE_REPLY,
+    FIELD_JOB,
+    MAX_ADMIT_JOBS,
     MAX_CONTENT_TYPE_BYTES,
     QUEUE_FULL_REPLY,
     JobEnvelope,
     Keys,
     Lane,
-    ResultEnvelope,
     error_reply_code,
     new_request_id,
     owner_ttl_ms,
     parse_queue_bound,
     valid_request_id,
 )
-from redbatch.producer.calls import Admit, Command, Pipelined, Steps
+from redbatch.producer.calls import Admit, Arg, Command, Inbox, Pipelined, Steps
 from redbatch.producer.errors import DuplicateRequestId, QueueFull
-from redbatch.producer.wait import wait_for_result
+from redbatch.producer.replies import Gathering, ReplyWaits
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,10 @@ class ClientCore:
         self.model = model
         self.prefix = prefix
         self.max_payload_bytes = max_payload_bytes
+        #: Random per instance: the NAME of the client's reply lists (``Keys.reply``).
+        self.name = f"client-{uuid.uuid4().hex[:16]}"
+        #: The client's reply lists, by model, made at the first submit naming one.
+        self.reply_waits: dict[str, ReplyWaits] = {}
 
     def keys(self, model: str | None = None) -> Keys:
         """The keys of ``model`` (default: the client's) under the client's prefix."""
@@ -94,27 +101,59 @@ class ClientCore:
 
     def _jobs(self, payloads: Iterable[bytes], kw: Mapping[str, Any]) -> list[JobEnvelope]:
         """Envelopes for submit_many: the keywords of submit, shared by every payload."""
+        reply_to = self._reply_to(kw.get("model"))
         return [self.job(p, model=kw.get("model"), timeout_s=kw.get("timeout_s"),
                           lane=kw.get("lane", Lane.INTERACTIVE), params=kw.get("params"),
                           content_type=kw.get("content_type", "application/octet-stream"),
-                          request_id=None) for p in payloads]
+                          request_id=None, reply_to=reply_to) for p in payloads]
+
+    def _reply_to(self, model: str | None) -> str | None:
+        """The reply list new jobs of ``model`` name: the client's, or None once it proved
+        unusable (NOTE [ Waiting in groups ], item 3)."""
+        name = self.keys(model).model
+        waits = self.reply_waits.get(name)
+        if waits is None:
+            waits = self.reply_waits.setdefault(name, ReplyWaits(self.keys(name), self.name))
+        return None if waits.polling else waits.key
+
+    def _record(self, jobs: Sequence[JobEnvelope]) -> None:
+        """Remember the jobs that name the client's reply list, before they are sent."""
+        for job in jobs:
+            waits = self.reply_waits.get(job.model)
+            if waits is not None and job.reply_to == waits.key:
+                waits.record([job.request_id])
+
+    def _refused(self, jobs: Sequence[JobEnvelope], replies: Sequence[object]) -> None:
+        """Forget the jobs an error reply says were not queued."""
+        for job, reply in zip(jobs, replies, strict=True):
+            waits = self.reply_waits.get(job.model)
+            if waits is not None and isinstance(reply, redis.ResponseError):
+                waits.forget([job.request_id])
 
     def _submit(self, job: JobEnvelope) -> Steps[str]:
         """Queue one job through the admission script; returns its request id."""
-        try:
-            yield _admit(self.keys(job.model), job)
-        except redis.ResponseError as e:
-            _admitted([job], [e])
-            raise
-        return job.request_id
+        return (yield from self._submit_jobs([job]))[0]
 
     def _submit_jobs(self, jobs: Sequence[JobEnvelope]) -> Steps[list[str]]:
-        """Queue jobs in one pipelined round trip; returns the admitted request ids."""
+        """Queue jobs in one round trip: one admission call per lane (and MAX_ADMIT_JOBS
+        jobs), pipelined when there are several; returns the admitted request ids."""
         if not jobs:
             return []
-        calls = tuple(_admit(self.keys(job.model), job) for job in jobs)
-        replies = yield Pipelined(calls, errors_as_replies=True)
-        return _admitted(jobs, replies)
+        self._record(jobs)
+        groups = _admission_groups(jobs)
+        calls = tuple(_admit(self.keys(jobs[group[0]].model), [jobs[i] for i in group])
+                      for group in groups)
+        replies: list[object]
+        if len(calls) > 1:
+            replies = yield Pipelined(calls, errors_as_replies=True)
+        else:  # alone, not in a pipeline: redis-py adds SCRIPT EXISTS to every pipeline
+            try:
+                replies = [(yield calls[0])]
+            except redis.ResponseError as e:
+                replies = [e]
+        per_job = _per_job(groups, replies, len(jobs))
+        self._refused(jobs, per_job)
+        return _admitted(jobs, per_job)
 
     def _set_queue_limit(self, lane: Lane | str, max_jobs: int | None,
                          model: str | None) -> Steps[None]:
@@ -131,18 +170,51 @@ class ClientCore:
                                        Command(("HGET", keys.limits(), lane.value))))
         return QueueState(lane, int(queued), parse_queue_bound(raw))
 
-    def _result(self, request_id: str, timeout_s: float,
-                model: str | None) -> Steps[ResultEnvelope]:
-        """Wait for the result of ``request_id`` (see ``wait.py``)."""
-        return wait_for_result(request_id, self.keys(model), timeout_s)
+    def _gathering(self, request_ids: Sequence[str], timeout_s: float, model: str | None,
+                   inbox: Inbox) -> Gathering:
+        """The wait for ``request_ids`` of ``model``, through ``inbox`` (see replies.py)."""
+        keys = self.keys(model)
+        return Gathering(self.reply_waits.get(keys.model), keys, request_ids, timeout_s, inbox)
 
 
-def _admit(keys: Keys, job: JobEnvelope) -> Admit:
-    """The admission script's call for one job: its stream, the limits hash and the id's
-    owner key; the lane, the owner key's TTL and the envelope's fields."""
-    fields = [x for name, value in job.encode().items() for x in (name, value)]
-    return Admit([keys.stream(job.lane), keys.limits(), keys.owner(job.request_id)],
-                 [Lane(job.lane).value, owner_ttl_ms(job.budget_ms), *fields])
+def _admission_groups(jobs: Sequence[JobEnvelope]) -> list[list[int]]:
+    """Indexes of ``jobs`` by admission call: one per model and lane, in order, with
+    MAX_ADMIT_JOBS jobs at most."""
+    by_lane: dict[tuple[str, Lane], list[int]] = {}
+    for i, job in enumerate(jobs):
+        by_lane.setdefault((job.model, Lane(job.lane)), []).append(i)
+    return [group[start:start + MAX_ADMIT_JOBS] for group in by_lane.values()
+            for start in range(0, len(group), MAX_ADMIT_JOBS)]
+
+
+def _admit(keys: Keys, jobs: Sequence[JobEnvelope]) -> Admit:
+    """The admission script's call for jobs of one lane: its stream, the limits hash and
+    each id's owner key; the lane, then each job's owner TTL, request id and envelope."""
+    lane = Lane(jobs[0].lane)
+    args: list[Arg] = [lane.value]
+    for job in jobs:
+        args += [owner_ttl_ms(job.budget_ms), job.request_id, job.encode()[FIELD_JOB]]
+    return Admit([keys.stream(lane), keys.limits(), *(keys.owner(j.request_id) for j in jobs)],
+                 args)
+
+
+def _per_job(groups: Sequence[Sequence[int]], replies: Sequence[object],
+             count: int) -> list[object]:
+    """Each job's reply, in the jobs' order, from the admission calls' replies: an entry
+    id or an error element, or the call's own error reply for every job of the call."""
+    out: list[object] = [None] * count
+    for group, reply in zip(groups, replies, strict=True):
+        each = [reply] * len(group) if isinstance(reply, Exception) else _items(reply)
+        for i, job_reply in zip(group, each, strict=True):
+            out[i] = job_reply
+    return out
+
+
+def _items(reply: object) -> list[object]:
+    """The elements of an admission call's array reply; TypeError for any other reply."""
+    if not isinstance(reply, list):
+        raise TypeError(f"the admission script replied {reply!r:.100}, not an array")
+    return reply
 
 
 def _reply_code(reply: object) -> str | None:

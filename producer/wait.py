@@ -1,14 +1,20 @@
 """Waiting for one result, written once for both clients as a generator of steps.
 
-The worker writes the result key and pushes one token onto the request's "done" list.
-The wait GETs the result key; while it is absent it BLPOPs the done list for a slice of
-at most 5 s, then GETs again. The result key is durable (until its TTL), so a connection
-that drops loses nothing: the wait pauses, reconnects and GETs again.
+The worker writes the result key and, for a job that names no reply list, pushes one
+token onto the request's "done" list. The wait GETs the result key; while it is absent it
+BLPOPs the done list for a slice (FIRST_SLICE_S, doubling up to WAIT_SLICE_S), then GETs
+again. A job that named a reply list has no done list: the GET after the slice finds its
+result, so the slices start short. The result key is durable (until its TTL), so a
+connection that drops loses nothing: the wait pauses, reconnects and GETs again.
 
 The wait honours its timeout whatever Redis does: every call has a due time (see
 :meth:`_Wait.reply_by`), so a Redis that is gone, restarting or hung ends it with
 ResultTimeout, about 0.2 s late at worst. A done key of another type (BLPOP answers
 WRONGTYPE) does not end it either: from then on it polls the result key.
+
+This is the per-request path: a client waits this way for ids it did not submit naming
+its reply list; its own are awaited together on that list (see ``replies.py``), which
+shares the clock rules and constants below.
 """
 
 from __future__ import annotations
@@ -26,24 +32,30 @@ logger = logging.getLogger(__name__)
 
 #: Longest single BLPOP; short enough that a dead connection is noticed and retried, and
 #: under the client's socket timeout (RedisSettings.socket_timeout_s, 10 s).
-_WAIT_SLICE_S = 5.0
-_RECONNECT_PAUSE_S = 0.2
+WAIT_SLICE_S = 5.0
+#: First BLPOP of a per-request wait, s; each next one is twice as long, to WAIT_SLICE_S.
+FIRST_SLICE_S = 0.25
+#: Pause after a lost or late connection before the next call.
+RECONNECT_PAUSE_S = 0.2
 #: GET interval while the done key cannot be BLPOPped (it holds another type).
-_POLL_S = 0.25
+POLL_S = 0.25
 #: Shortest BLPOP sent: Redis reads a timeout under 1 ms as 0, which blocks forever.
-_MIN_BLPOP_S = 0.01
+MIN_BLPOP_S = 0.01
 #: A reply is always allowed this long, even at the deadline (one GET at timeout_s=0).
-_MIN_REPLY_S = 0.2
+MIN_REPLY_S = 0.2
 
 
-def wait_for_result(request_id: str, keys: Keys, timeout_s: float) -> Steps[ResultEnvelope]:
-    """The steps of waiting ``timeout_s`` at most for the result of ``request_id``.
+def wait_for_result(request_id: str, keys: Keys, timeout_s: float,
+                    deadline: float | None = None) -> Steps[ResultEnvelope]:
+    """The steps of waiting ``timeout_s`` at most for the result of ``request_id``, or
+    until ``deadline`` (monotonic s) when given (a wait that began earlier).
 
     Returns the result (not consumed: it can be read again until it expires). Raises
     ResultTimeout by the deadline, ResultUnreadable when the result key holds no result
     envelope, and Redis errors other than a lost or late connection as they come.
     """
-    wait = _Wait(request_id, keys, timeout_s)
+    due = time.monotonic() + timeout_s if deadline is None else deadline
+    wait = _Wait(request_id, keys, timeout_s, due)
     while True:
         try:
             data = yield from _get(wait)
@@ -52,10 +64,10 @@ def wait_for_result(request_id: str, keys: Keys, timeout_s: float) -> Steps[Resu
             if wait.blpop:
                 yield from _block(wait)
             else:
-                yield Pause(wait.pause_s(_POLL_S))
+                yield Pause(wait.pause_s(POLL_S))
         except (redis.ConnectionError, redis.TimeoutError):
             # redis-py reconnects on the next call; pause_s raises ResultTimeout when due.
-            yield Pause(wait.pause_s(_RECONNECT_PAUSE_S))
+            yield Pause(wait.pause_s(RECONNECT_PAUSE_S))
 
 
 def _get(wait: _Wait) -> Steps[object]:
@@ -71,11 +83,38 @@ def _get(wait: _Wait) -> Steps[object]:
 
 def _block(wait: _Wait) -> Steps[None]:
     """BLPOP the done key until the next slice ends; polling from now on if it fails."""
-    seconds = wait.pause_s(_WAIT_SLICE_S)
+    seconds = wait.pause_s(wait.next_slice_s())
     try:
         yield Command(("BLPOP", wait.done_key, round(seconds, 3)), wait.reply_by(seconds))
     except redis.ResponseError as e:
         wait.no_blpop(e)
+
+
+def reply_by(deadline: float, blocking_s: float = 0.0) -> float:
+    """Monotonic time by which a call that blocks ``blocking_s`` must be answered, for a
+    wait that ends at ``deadline``: the deadline, or MIN_REPLY_S after the call would
+    return if that is later."""
+    return max(deadline, time.monotonic() + blocking_s + MIN_REPLY_S)
+
+
+def decode_result(request_id: str, key: str, data: object) -> ResultEnvelope:
+    """The result envelope read from ``key`` (the result key of ``request_id``); raises
+    ResultUnreadable for anything else."""
+    if not isinstance(data, bytes):
+        raise ResultUnreadable(request_id, key, repr(data)[:80])
+    try:
+        return ResultEnvelope.decode(data)
+    except ProtocolError as e:
+        raise ResultUnreadable(request_id, key, e.message) from e
+
+
+def unreadable(request_id: str, key: str, e: redis.ResponseError) -> ResultUnreadable | None:
+    """ResultUnreadable when a GET's error reply says ``key``, the result key of
+    ``request_id``, holds another type; None for other errors (NOPERM, ...), which the
+    caller raises as they are."""
+    if str(e).startswith("WRONGTYPE"):
+        return ResultUnreadable(request_id, key, str(e))
+    return None
 
 
 @dataclass(slots=True)
@@ -85,13 +124,12 @@ class _Wait:
     request_id: str
     keys: Keys
     timeout_s: float
-    deadline: float = 0.0
+    deadline: float
     """Monotonic time the wait ends."""
     blpop: bool = True
     """False once BLPOP on the done key failed (it holds another type): poll GET instead."""
-
-    def __post_init__(self) -> None:
-        self.deadline = time.monotonic() + self.timeout_s
+    slice_s: float = FIRST_SLICE_S
+    """How long the next BLPOP may block, s."""
 
     @property
     def result_key(self) -> str:
@@ -102,9 +140,8 @@ class _Wait:
         return self.keys.done(self.request_id)
 
     def reply_by(self, blocking_s: float = 0.0) -> float:
-        """Monotonic time by which a call that blocks ``blocking_s`` must be answered: the
-        deadline, or _MIN_REPLY_S after the call would return if that is later."""
-        return max(self.deadline, time.monotonic() + blocking_s + _MIN_REPLY_S)
+        """When a call that blocks ``blocking_s`` must be answered (see :func:`reply_by`)."""
+        return reply_by(self.deadline, blocking_s)
 
     def pause_s(self, longest: float) -> float:
         """Seconds to block or sleep before the next GET, ``longest`` at most; raises
@@ -112,26 +149,24 @@ class _Wait:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             raise ResultTimeout(self.request_id, self.timeout_s)
-        return max(_MIN_BLPOP_S, min(remaining, longest))
+        return max(MIN_BLPOP_S, min(remaining, longest))
+
+    def next_slice_s(self) -> float:
+        """The next BLPOP's longest block, s: FIRST_SLICE_S, doubling to WAIT_SLICE_S."""
+        seconds, self.slice_s = self.slice_s, min(WAIT_SLICE_S, self.slice_s * 2)
+        return seconds
 
     def decode(self, data: object) -> ResultEnvelope:
         """The result envelope a GET returned; raises ResultUnreadable."""
-        if not isinstance(data, bytes):
-            raise ResultUnreadable(self.request_id, self.result_key, repr(data)[:80])
-        try:
-            return ResultEnvelope.decode(data)
-        except ProtocolError as e:
-            raise ResultUnreadable(self.request_id, self.result_key, e.message) from e
+        return decode_result(self.request_id, self.result_key, data)
 
     def unreadable(self, e: redis.ResponseError) -> ResultUnreadable | None:
         """ResultUnreadable when a GET's error reply says the result key holds another
-        type; None for other errors (NOPERM, ...), which the caller raises as they are."""
-        if str(e).startswith("WRONGTYPE"):
-            return ResultUnreadable(self.request_id, self.result_key, str(e))
-        return None
+        type (see :func:`unreadable`)."""
+        return unreadable(self.request_id, self.result_key, e)
 
     def no_blpop(self, e: redis.ResponseError) -> None:
         """BLPOP on the done key failed with ``e``: poll the result key from now on."""
         logger.warning("cannot BLPOP %s (%s); polling %s every %g s instead", self.done_key,
-                       str(e)[:100], self.result_key, _POLL_S)
+                       str(e)[:100], self.result_key, POLL_S)
         self.blpop = False

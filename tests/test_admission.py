@@ -30,6 +30,7 @@ from redbatch.common.protocol import (
     ADMIT_SCRIPT,
     BAD_CALL_REPLY,
     DUPLICATE_REPLY,
+    QUEUE_FULL_REPLY,
     ErrorCode,
     Keys,
     Lane,
@@ -291,18 +292,26 @@ def test_bulk_scorer_without_room_writes_timeouts_and_finishes(
 # ---------------------------------------------------------------------------- the script
 
 
-def _call(r: redis.Redis, keys: list[str], args: list[str | bytes]) -> bytes:
+def _call(r: redis.Redis, keys: list[str], args: list[str | bytes]) -> list[object]:
+    """One call of the script (revision 3); its reply, an array with one element per job
+    (an entry id, or a ResponseError instance for an error element). An error reply to
+    the whole call is raised."""
     return r.eval(ADMIT_SCRIPT, len(keys), *keys, *args)  # type: ignore[no-any-return]
 
 
-def _good(keys: Keys, rid: str = "a1", lane: Lane = Lane.BULK,
+def _good(keys: Keys, *request_ids: str, lane: Lane = Lane.BULK,
           ttl: str = "60000") -> tuple[list[str], list[str | bytes]]:
-    return ([keys.stream(lane), keys.limits(), keys.owner(rid)],
-            [lane.value, ttl, "rid", rid, "job", b"\x80"])
+    """A well-formed call for jobs of these request ids (``a1`` if none; each envelope
+    b"\x80"): the stream, the limits hash, each owner key; the lane, then each job's TTL,
+    request id and envelope."""
+    rids = request_ids or ("a1",)
+    return ([keys.stream(lane), keys.limits(), *(keys.owner(i) for i in rids)],
+            [lane.value, *(arg for i in rids for arg in (ttl, i, b"\x80"))])
 
 
 def _bad_calls(keys: Keys) -> dict[str, tuple[list[str], list[str | bytes]]]:
     k, a = _good(keys)
+    k2, a2 = _good(keys, "a1", "a2")  # two jobs
     other = Keys("other")
     return {
         "negative ttl": (k, [*a[:1], "-5", *a[2:]]),
@@ -310,33 +319,94 @@ def _bad_calls(keys: Keys) -> dict[str, tuple[list[str], list[str | bytes]]]:
         "fractional ttl": (k, [*a[:1], "1.5", *a[2:]]),
         "16-digit ttl": (k, [*a[:1], "1" * 16, *a[2:]]),
         "no ttl": (k, [*a[:1], *a[2:]]),
-        "odd field count": (k, a[:-1]),
-        "extra field": (k, [*a, "x", "y"]),
-        "fields swapped": (k, [*a[:2], "job", b"\x80", "rid", "a1"]),
+        # Revision 2 took the field names rid and job as arguments; its call of one job
+        # (6 arguments) is now malformed, and so is any count that is not 1 + 3N.
+        "revision-2 call": (k, [*a[:2], "rid", a[2], "job", a[3]]),
+        "no envelope": (k, a[:-1]),
+        "extra argument": (k, [*a, "x"]),
+        "ttl and request id swapped": (k, [a[0], a[2], a[1], a[3]]),
         "unknown lane": (k, ["vip", *a[1:]]),
         "lane of another stream": (k, ["interactive", *a[1:]]),
-        "request id with a newline": ([*k[:2], keys.owner("a1\n")], [*a[:3], "a1\n", *a[4:]]),
+        "request id with a newline": ([*k[:2], keys.owner("a1\n")], [*a[:2], "a1\n", *a[3:]]),
         "owner key of another id": ([*k[:2], keys.owner("a2")], a),
         "limits of another model": ([k[0], other.limits(), k[2]], a),
         "owner of another model": ([*k[:2], other.owner("a1")], a),
         "stream that is no lane stream": (["x:{m}:queue", *k[1:]], a),
         "two keys": (k[:2], a),
+        "no jobs": (k[:2], a[:1]),
+        f"{p.MAX_ADMIT_JOBS + 1} jobs": _good(keys, *(f"m{i}"
+                                                     for i in range(p.MAX_ADMIT_JOBS + 1))),
+        "a second job's arguments without its key": (k, a2),
+        "a second key without its job's arguments": (k2, a),
+        "second job: bad ttl": (k2, [*a2[:4], "0", *a2[5:]]),
+        "second job: owner key of another id": ([*k2[:3], keys.owner("a3")], a2),
+        "owner keys in the other order": ([*k2[:2], k2[3], k2[2]], a2),
     }
 
 
 @pytest.mark.parametrize("case", list(_bad_calls(Keys(TEST_MODEL))))
 def test_a_bad_call_is_refused_before_anything_is_written(
         case: str, r: redis.Redis, keys: Keys) -> None:
-    """Every check precedes the first write: an error reply means nothing was added (the
-    revision-1 script queued a job whose owner TTL was <= 0, then failed at its SET)."""
+    """Every check precedes the first write: an error reply means nothing was added, not
+    even the jobs of the call that are fine (the revision-1 script queued a job whose owner
+    TTL was <= 0, then failed at its SET)."""
     call_keys, args = _bad_calls(keys)[case]
     with pytest.raises(redis.ResponseError) as info:
         _call(r, call_keys, args)
     assert str(info.value).startswith(f"{BAD_CALL_REPLY} "), str(info.value)
     assert r.dbsize() == 0, r.keys()
-    # The same job, called right, is admitted: the refusal took no request id.
-    _call(r, *_good(keys))
-    assert r.xlen(keys.stream(Lane.BULK)) == 1 and 0 < r.pttl(keys.owner("a1")) <= 60000
+    # The same jobs, called right, are admitted: the refusal took no request id.
+    (entry_id, second) = _call(r, *_good(keys, "a1", "a2"))
+    assert r.xlen(keys.stream(Lane.BULK)) == 2 and 0 < r.pttl(keys.owner("a1")) <= 60000
+    assert r.get(keys.owner("a1")) == entry_id and r.get(keys.owner("a2")) == second
+
+
+def test_one_call_admits_up_to_the_most_jobs_with_one_element_each(
+        r: redis.Redis, keys: Keys) -> None:
+    """MAX_ADMIT_JOBS jobs in one call: an entry id each, in order, each entry with the
+    fields rid, job and FIELD_ADMITTED, and its id's owner key naming it."""
+    rids = [f"n{i}" for i in range(p.MAX_ADMIT_JOBS)]
+    reply = _call(r, *_good(keys, *rids))
+    added = cast(list[StreamEntry], r.xrange(keys.stream(Lane.BULK)))
+    assert reply == [entry_id for entry_id, _ in added]
+    assert [f for _, f in added[:1]] == [{p.FIELD_REQUEST_ID.encode(): b"n0",
+                                         p.FIELD_JOB.encode(): b"\x80",
+                                         p.FIELD_ADMITTED.encode(): b"1"}]
+    assert [f[b"rid"].decode() for _, f in added] == rids
+    assert r.mget([keys.owner(i) for i in rids]) == reply
+
+
+def test_the_bound_counts_the_jobs_of_the_call_and_duplicates_leave_nothing(
+        r: redis.Redis, keys: Keys) -> None:
+    (first,) = _call(r, *_good(keys, "c0"))
+    r.hset(keys.limits(), Lane.BULK.value, 3)
+    before = r.dbsize()
+    reply = _call(r, *_good(keys, "c1", "c0", "c1", "c2", "c3"))
+    c1, dup, dup_in_call, c2, full = reply
+    assert isinstance(c1, bytes) and isinstance(c2, bytes), reply
+    assert isinstance(dup, redis.ResponseError)
+    assert str(dup) == f"{DUPLICATE_REPLY} {cast(bytes, first).decode()}"
+    assert isinstance(dup_in_call, redis.ResponseError)
+    assert str(dup_in_call) == f"{DUPLICATE_REPLY} {c1.decode()}"
+    assert isinstance(full, redis.ResponseError) and str(full) == f"{QUEUE_FULL_REPLY} 3"
+    assert [e for e, _ in cast(list[StreamEntry], r.xrange(keys.stream(Lane.BULK)))] == \
+        [first, c1, c2], "the duplicates' entries were taken out again"
+    assert r.dbsize() == before + 2 and not r.exists(keys.owner("c3"))
+
+
+@pytest.mark.parametrize("raw", ["10", "3", "0", "2.5", "0.5", "-4", "lots", "nan", "inf",
+                                 "0x4", "1e1"])
+def test_the_script_admits_exactly_the_room_the_client_reads(
+        raw: str, client: Client, r: redis.Redis, keys: Keys) -> None:
+    """The script and parse_queue_bound (queue_state, ``redbatch limit``) read a limits
+    field alike: a call of 12 jobs to an empty lane admits min(12, bound) of them, all 12
+    when the client reads no bound."""
+    r.hset(keys.limits(), Lane.BULK.value, raw)
+    bound = client.queue_state(Lane.BULK).bound
+    reply = _call(r, *_good(keys, *(f"z{i}" for i in range(12))))
+    admitted = [e for e in reply if isinstance(e, bytes)]
+    assert len(admitted) == (12 if bound is None else min(12, bound)), (raw, bound, reply)
+    assert r.xlen(keys.stream(Lane.BULK)) == len(admitted)
 
 
 def test_a_deadline_long_past_is_admitted_once(
@@ -354,10 +424,10 @@ def test_the_duplicate_reply_names_the_owner_and_the_client_matches_its_first_wo
         client: Client, r: redis.Redis, keys: Keys) -> None:
     client.submit(b"first", request_id="dup-1")
     (entry_id, _), = cast(list[StreamEntry], r.xrange(keys.stream(Lane.INTERACTIVE)))
-    k, a = _good(keys, "dup-1", Lane.INTERACTIVE)
-    with pytest.raises(redis.ResponseError) as raw:
-        _call(r, k, a)
-    assert str(raw.value) == f"{DUPLICATE_REPLY} {entry_id.decode()}"
+    k, a = _good(keys, "dup-1", lane=Lane.INTERACTIVE)
+    (raw,) = _call(r, k, a)  # an error element of the array, not an error reply
+    assert isinstance(raw, redis.ResponseError), raw
+    assert str(raw) == f"{DUPLICATE_REPLY} {entry_id.decode()}"
     with pytest.raises(DuplicateRequestId) as info:
         client.submit(b"second", request_id="dup-1")
     assert str(info.value) == "duplicate_request_id: request id 'dup-1' is already in use"
@@ -367,25 +437,37 @@ def test_the_duplicate_reply_names_the_owner_and_the_client_matches_its_first_wo
     assert many.value.duplicates == [ids[0]] and len(many.value.accepted) == 1
     r.delete(keys.owner("dup-1"))
     r.hset(keys.owner("dup-1"), "planted", 1)  # another type: still taken, owner unknown
-    with pytest.raises(redis.ResponseError) as planted:
-        _call(r, k, a)
-    assert str(planted.value) == f"{DUPLICATE_REPLY} ?"
+    (planted,) = _call(r, k, a)
+    assert isinstance(planted, redis.ResponseError), planted
+    assert str(planted) == f"{DUPLICATE_REPLY} ?"
+    r.set(keys.owner("dup-1"), "not an entry id")
+    (planted_string,) = _call(r, k, a)
+    assert str(planted_string) == f"{DUPLICATE_REPLY} ?"
     assert r.xlen(keys.stream(Lane.INTERACTIVE)) == 4
 
 
-def test_a_user_who_may_not_set_the_owner_key_adds_nothing(
-        redis_url: str, r: redis.Redis, keys: Keys) -> None:
-    """Redis 7 checks ACLs at each command of a script: without the up-front check the
-    XADD ran, the SET was refused, and the caller got an error for a queued job."""
+@pytest.mark.parametrize("rules, refused", [
+    (["+@all", "-set"], "SET {owner1}"),
+    (["+@all", "-xdel"], "XADD and XDEL {stream}"),
+    # SET only on the first job's owner key (a selector): job 2 is refused, job 1 not added.
+    (["+@all", "-set", "(+set ~{owner1})"], "SET {owner2}"),
+])
+def test_a_user_who_may_not_run_the_scripts_writes_adds_nothing(
+        redis_url: str, r: redis.Redis, keys: Keys, rules: list[str], refused: str) -> None:
+    """Redis 7 checks ACLs at each command of a script: without the up-front checks (of
+    every job's SET, and of the XADD and the XDEL a duplicate needs) a command refused
+    after an XADD would leave a job queued although the caller got an error."""
     user = f"producer-{uuid.uuid4().hex[:8]}"
-    r.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"],
-                  commands=["+@all", "-set"])
+    names = {"owner1": keys.owner("a1"), "owner2": keys.owner("a2"),
+             "stream": keys.stream(Lane.BULK)}
+    r.execute_command("ACL", "SETUSER", user, "reset", "on", ">pw", "~*",
+                      *(rule.format(**names) for rule in rules))
     try:
         url = redis_url.replace("redis://", f"redis://{user}:pw@", 1)
         with redis.Redis.from_url(url) as limited:
             with pytest.raises(redis.exceptions.NoPermissionError) as info:
-                _call(limited, *_good(keys))
-        assert str(info.value) == f"this user may not SET {keys.owner('a1')}"
+                _call(limited, *_good(keys, "a1", "a2"))
+        assert str(info.value) == f"this user may not {refused.format(**names)}"
         assert r.dbsize() == 0
     finally:
         r.acl_deluser(user)

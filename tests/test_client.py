@@ -1,21 +1,29 @@
 """The client's wait: it honours its timeout whatever Redis does, and planted keys of
 another type neither crash it nor hang it. Against real redis-server processes: one that
-is killed, one that is stopped (SIGSTOP), and keys planted as a hostile producer would."""
+is killed, one that is stopped (SIGSTOP), and keys planted as a hostile producer would.
+And waiting in groups (NOTE [ Waiting in groups ] in producer/replies.py): many waits in
+one process share one reply list and one reader, with real null-model workers."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from urllib.parse import urlparse
 
+import psutil
 import pytest
 import redis
-from conftest import TEST_MODEL
+from conftest import SAMPLES, TEST_MODEL, WorkerFactory
 from redbatch.cli.redis_server import RedisServer
 from redbatch.common.protocol import ErrorCode, Keys, ResultEnvelope, Status
+from redbatch.producer import replies
 from redbatch.producer.client import AsyncClient, Client, ResultTimeout, ResultUnreadable
 
 #: What a wait may overrun its timeout by on this (loaded, 2-core) machine: the client
@@ -132,3 +140,229 @@ def test_the_async_wait_survives_planted_keys(redis_url: str, r: redis.Redis,
                 await client.result("p5", timeout_s=5)
 
     asyncio.run(run())
+
+
+# ---------------------------------------------------------------- waiting in groups
+
+NULL = "null"
+CAT = (SAMPLES / "cat.jpg").read_bytes()
+
+
+def _until(condition: Callable[[], object], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:g}s waiting for {what}"
+        time.sleep(0.05)
+
+
+def _sockets_to(url: str) -> int:
+    """TCP connections this process holds to the Redis at ``url``."""
+    port = urlparse(url).port
+    return sum(1 for c in psutil.Process().net_connections("tcp")
+               if c.raddr and c.raddr.port == port)
+
+
+def _calls(r: redis.Redis) -> dict[str, int]:
+    """Calls per command since the last CONFIG RESETSTAT, as Redis counts them."""
+    return {name.removeprefix("cmdstat_"): stat["calls"]
+            for name, stat in r.info("commandstats").items()}
+
+
+def test_many_waits_in_one_process_share_one_reply_list(
+        redis_url: str, r: redis.Redis, start_worker: WorkerFactory) -> None:
+    """300 threads wait at once. The per-request wait needed a connection each (past the
+    pool's 100: MaxConnectionsError) and a GET and a BLPOP each; now one reader serves
+    them all, over one connection, three calls per group of results."""
+    with Client(redis_url, model=NULL) as client:
+        ids = client.submit_many([CAT] * 300, timeout_s=120)  # queued: no worker yet
+        got: dict[str, ResultEnvelope] = {}
+
+        def wait(rid: str) -> None:
+            got[rid] = client.result(rid, timeout_s=120)
+
+        threads = [threading.Thread(target=wait, args=(rid,)) for rid in ids]
+        for thread in threads:
+            thread.start()
+        _until(lambda: client.reply_waits[NULL].waiting == 300, 30, "every wait registered")
+        # The reader's, the idle one submit_many used, and the fixture's.
+        assert _sockets_to(redis_url) <= 3
+        r.config_resetstat()
+        start_worker(model=NULL)
+        for thread in threads:
+            thread.join(120)
+    assert len(got) == 300 and all(result.ok for result in got.values())
+    calls = _calls(r)
+    assert calls.get("get", 0) < 30, calls
+    # The reader wakes once per worker flush (a MULTI/EXEC) at most, plus idle slices.
+    assert calls.get("blpop", 0) <= calls.get("exec", 0) + 10, calls
+
+
+def test_as_completed_yields_results_in_the_order_they_finish(
+        redis_url: str, r: redis.Redis, start_worker: WorkerFactory) -> None:
+    with Client(redis_url, model=NULL) as client:
+        ids = [client.submit(CAT, timeout_s=120) for _ in range(4)]
+        order: list[str] = []
+
+        def collect() -> None:
+            order.extend(res.request_id for res in client.as_completed(ids[::-1], 120))
+
+        collector = threading.Thread(target=collect)
+        collector.start()
+        _until(lambda: client.reply_waits[NULL].waiting == 4, 30, "the waits registered")
+        # One job at a time: they finish in the order they were queued.
+        start_worker("--max-inflight", "1", "--max-batch-size", "1", model=NULL)
+        collector.join(120)
+        assert order == ids, "in the order they finished, not the order asked"
+        assert [res.request_id for res in client.results(ids[::-1])] == ids[::-1]
+
+
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+def test_waits_on_the_reply_list_honour_their_timeout_when_redis_is_gone_or_hung(
+        server: RedisServer, fault: str) -> None:
+    client = Client(server.url, model=TEST_MODEL)
+    ids = client.submit_many([b"x"] * 5)
+    assert server.pid is not None
+    if fault == "killed":
+        server.kill()
+    else:
+        os.kill(server.pid, signal.SIGSTOP)
+    took = _timed_out(lambda: client.results(ids, timeout_s=1.0))
+    assert 1.0 <= took < 1.0 + SLACK_S, took
+    took = _timed_out(lambda: list(client.as_completed(ids, timeout_s=0.5)))
+    assert 0.5 <= took < 0.5 + SLACK_S, took
+    started = time.monotonic()
+    client.close()
+    assert time.monotonic() - started < SLACK_S, "close() is not held up by the reader"
+
+
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+def test_async_waits_on_the_reply_list_honour_their_timeout_when_redis_is_gone_or_hung(
+        server: RedisServer, fault: str) -> None:
+    async def run() -> tuple[float, float]:
+        client = AsyncClient(server.url, model=TEST_MODEL)
+        ids = await client.submit_many([b"x"] * 5)
+        assert server.pid is not None
+        if fault == "killed":
+            server.kill()
+        else:
+            os.kill(server.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(ResultTimeout):
+            [res async for res in client.as_completed(ids, timeout_s=1.0)]
+        took = time.monotonic() - started
+        started = time.monotonic()
+        await client.close()
+        assert asyncio.all_tasks() == {asyncio.current_task()}, "the reader task is gone"
+        return took, time.monotonic() - started
+
+    took, closing = asyncio.run(run())
+    assert 1.0 <= took < 1.0 + SLACK_S, took
+    assert closing < SLACK_S, closing
+
+
+def test_a_planted_reply_list_makes_the_client_poll_and_say_so_once(
+        redis_url: str, r: redis.Redis, start_worker: WorkerFactory,
+        caplog: pytest.LogCaptureFixture) -> None:
+    keys = Keys(NULL)
+    with Client(redis_url, model=NULL) as client, \
+            caplog.at_level(logging.WARNING, logger=replies.__name__):
+        r.set(keys.reply(client.name), "planted")  # BLPOP on it answers WRONGTYPE
+        first = client.submit(CAT, timeout_s=120)
+        start_worker(model=NULL)
+        # Its announcement failed (the worker dead-letters it), its result was written.
+        assert client.result(first, timeout_s=60).ok
+        second = client.submit(CAT, timeout_s=120)
+        assert client.result(second, timeout_s=60).ok
+        assert client.results([first, second], timeout_s=60)[1].ok
+    said = [rec for rec in caplog.records if "cannot pop reply list" in rec.getMessage()]
+    assert len(said) == 1, said
+    _until(lambda: r.exists(keys.dlq()), 30, "the dead letter")
+    dead = [fields[b"rid"].decode() for _, fields in r.xrange(keys.dlq())]
+    assert dead == [first], "the second job named no reply list: nothing to dead-letter"
+    assert r.get(keys.reply(client.name)) == b"planted"
+
+
+def test_a_planted_result_key_raises_a_clear_error_on_the_reply_list_too(
+        redis_url: str, r: redis.Redis, start_worker: WorkerFactory) -> None:
+    """The worker cannot write the result (it dead-letters the job), but announces the id:
+    the wait reads the key, and says what is wrong with it instead of timing out."""
+    keys = Keys(NULL)
+    r.rpush(keys.result("victim"), "planted")
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            client.result("victim", timeout_s=30)
+        except ResultUnreadable as e:
+            raised.append(e)
+
+    with Client(redis_url, model=NULL) as client:
+        client.submit(CAT, request_id="victim", timeout_s=120)
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        _until(lambda: client.reply_waits[NULL].waiting == 1, 10, "the wait registered")
+        start_worker(model=NULL)
+        waiter.join(40)
+    assert raised and "WRONGTYPE" in str(raised[0]), raised
+
+
+def test_an_id_lost_off_the_reply_list_is_found_by_the_sweep(
+        redis_url: str, r: redis.Redis, start_worker: WorkerFactory) -> None:
+    """As if a BLPOP's reply were cut off with the connection: the id is gone from the
+    list. Here a BLPOP queued before the client's reader takes it (Redis serves blocked
+    clients in order)."""
+    keys = Keys(NULL)
+    stolen: list[object] = []
+    got: list[ResultEnvelope] = []
+    with Client(redis_url, model=NULL) as client, redis.Redis.from_url(redis_url) as thief:
+        reply = keys.reply(client.name)
+        taker = threading.Thread(target=lambda: stolen.append(thief.blpop([reply], timeout=60)))
+        taker.start()
+        _until(lambda: r.info("clients")["blocked_clients"] == 1, 10, "the thief blocked")
+        rid = client.submit(CAT, timeout_s=120)
+        _until(lambda: r.info("clients")["blocked_clients"] == 2, 10, "the reader blocked")
+        waiter = threading.Thread(target=lambda: got.append(client.result(rid, timeout_s=60)))
+        waiter.start()  # before any answer: its first look finds nothing
+        _until(lambda: client.reply_waits[NULL].waiting == 1, 10, "the wait registered")
+        start_worker(model=NULL)
+        _until(lambda: r.exists(keys.result(rid)), 60, "the answer")
+        answered = time.monotonic()
+        waiter.join(60)
+        took = time.monotonic() - answered
+        taker.join(10)
+    assert stolen and stolen[0] == (reply.encode(), rid.encode())
+    assert got and got[0].ok
+    assert took < 2 * replies.SWEEP_EVERY_S + SLACK_S, took
+
+
+def test_a_client_that_only_submits_forgets_its_ids(
+        redis_url: str, r: redis.Redis, start_worker: WorkerFactory,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bookkeeping lasts SUBMITTED_KEPT_S (the result TTL) at most, and ends when a result
+    is read; an id forgotten is still served, per request."""
+    monkeypatch.setattr(replies, "SUBMITTED_KEPT_S", 2.0)
+    start_worker(model=NULL)
+    with Client(redis_url, model=NULL) as client:
+        ids = client.submit_many([CAT] * 20, timeout_s=120)
+        waits = client.reply_waits[NULL]
+        _until(lambda: waits.finished == 20, 60, "the reader took every id")
+        assert r.llen(waits.key) == 0 and waits.remembered == 20
+        assert all(res.ok for res in client.results(ids[:10]))  # finished: read at once
+        assert (waits.remembered, waits.finished, waits.waiting) == (10, 10, 0)
+        time.sleep(2.1)
+        client.submit(CAT, timeout_s=120)
+        assert (waits.remembered, waits.finished) == (1, 0), "the old ones forgotten"
+        assert all(res.ok for res in client.results(ids[10:], timeout_s=30))
+
+
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_a_client_never_closed_does_not_keep_its_process_alive(
+        redis_url: str, r: redis.Redis, face: str) -> None:
+    code = {"sync": "c = Client(sys.argv[1], model='null'); c.submit(b'x')",
+            "async": "async def main():\n    c = AsyncClient(sys.argv[1], model='null')\n"
+                     "    await c.submit(b'x')\nasyncio.run(main())"}[face]
+    script = ("import asyncio, sys\nfrom redbatch.producer.client import AsyncClient, Client\n"
+              f"{code}\nprint('submitted')\n")
+    done = subprocess.run([sys.executable, "-c", script, redis_url], capture_output=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout == b"submitted\n", done.stderr[-2000:]

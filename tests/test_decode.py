@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import struct
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -18,10 +19,12 @@ from redbatch.handlers.decode import (
     REFUSED_SIGNATURES,
     InputError,
     Signature,
+    normalise_into,
     open_image,
     refused_format,
     resize_center_crop,
 )
+from redbatch.handlers.imagenet import EfficientNetLite0
 
 LIMITS = LimitSettings()
 CAT = (SAMPLES / "cat.jpg").read_bytes()
@@ -98,6 +101,70 @@ def test_draft_mode_keeps_the_requested_minimum_side() -> None:
     img = open_image(encode(big, "JPEG", quality=90), LIMITS, min_side=256)
     assert min(img.size) >= 256 and img.size[0] < 1800
     assert resize_center_crop(img, 256, 224).size == (224, 224)
+
+
+def _twelve_mp(img: Image.Image, fmt: str) -> bytes:
+    """``img`` upscaled to 4000x3000; as an MPO, with a 1920x1440 preview as its second
+    picture, the way many cameras write their JPEGs."""
+    big = img.resize((4000, 3000), Image.Resampling.BICUBIC)
+    if fmt == "MPO":
+        return encode(big, "MPO", quality=90, save_all=True,
+                      append_images=[big.resize((1920, 1440))])
+    return encode(big, fmt, quality=90)
+
+
+@pytest.mark.parametrize("size, fmt, decoded", [
+    ((1024, 512), "JPEG", (512, 256)),  # exactly twice the target: half scale
+    ((1022, 511), "JPEG", (1022, 511)),  # under twice: full size
+    ((2048, 4096), "JPEG", (256, 512)),  # portrait, 8x: an eighth
+    ((1024, 512), "PNG", (1024, 512)),  # only JPEG has a draft mode
+])
+def test_jpeg_draft_from_twice_the_target_side(size: tuple[int, int], fmt: str,
+                                               decoded: tuple[int, int]) -> None:
+    data = encode(photo().resize(size), fmt)
+    assert open_image(data, LIMITS, min_side=256).size == decoded
+    assert open_image(data, LIMITS).size == size
+
+
+def test_a_cameras_multi_picture_jpeg_is_drafted_too() -> None:
+    data = _twelve_mp(photo(), "MPO")
+    assert Image.open(io.BytesIO(data)).format == "MPO"
+    img = open_image(data, LIMITS, min_side=256)
+    assert img.size == (500, 375) and img.mode == "RGB"
+
+
+@pytest.fixture(scope="module")
+def top1() -> Callable[[list[np.ndarray]], list[int]]:
+    """The default model's top-1 class id for preprocessed inputs."""
+    import torch
+    from redbatch.handlers.efficientnet_lite import load_efficientnet_lite0
+
+    model = load_efficientnet_lite0().eval()
+
+    def classify(inputs: list[np.ndarray]) -> list[int]:
+        with torch.inference_mode():
+            return model(torch.from_numpy(np.stack(inputs))).argmax(1).tolist()
+
+    return classify
+
+
+def test_draft_keeps_the_top_class_of_every_sample_photo(
+        top1: Callable[[list[np.ndarray]], list[int]]) -> None:
+    # Each sample photo, and the same picture as a 12 MP JPEG and MPO: the default model's
+    # preprocessing (with draft) against the same from a full-size decode.
+    handler = EfficientNetLite0(LIMITS)
+    samples = [Image.open(p).convert("RGB") for p in sorted(SAMPLES.glob("*.jpg"))]
+    payloads = [p.read_bytes() for p in sorted(SAMPLES.glob("*.jpg"))]
+    payloads += [_twelve_mp(img, fmt) for img in samples for fmt in ("JPEG", "MPO")]
+    drafted, full = [], []
+    for data in payloads:
+        drafted.append(np.empty(handler.input_shape, np.float32))
+        handler.preprocess(data, "", {}, drafted[-1])
+        full.append(np.empty(handler.input_shape, np.float32))
+        normalise_into(resize_center_crop(open_image(data, LIMITS), 256, 224), full[-1],
+                       handler.mean, handler.std)
+    assert len(payloads) == 9
+    assert top1(drafted) == top1(full)
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:

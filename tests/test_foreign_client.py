@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import msgpack
 import pytest
 import redis
 from conftest import SAMPLES, TEST_MODEL, WorkerFactory
@@ -107,18 +109,56 @@ def test_node_client_cat_then_garbage_leaves_nothing_pending(
 def test_node_client_admits_through_the_pages_script_and_reads_its_refusals(
         node_client: Path, redis_url: str, r: redis.Redis,
         start_worker: WorkerFactory) -> None:
-    """The Node client takes the admission script from PROTOCOL.md and matches the first
-    word of the error reply as node-redis hands it over (no "ERR " stripping there)."""
+    """The Node client takes the admission script (revision 3) from PROTOCOL.md, calls it
+    with one job, and reads the first element of the array reply: an entry id, or an error
+    element (QUEUE_FULL, DUPLICATE_REQUEST_ID), whose first word it matches as node-redis
+    hands it over (no "ERR " stripping there); an error reply to the whole call (BAD_CALL)
+    is reported the same way."""
     start_worker()
     cat = str(SAMPLES / "cat.jpg")
     ok = run_client(node_client, redis_url, cat, "--admit", "--rid=node-1")
     assert (ok["id"], ok["status"], ok["label"] in CAT_LABELS) == ("node-1", "ok", True), ok
     owner = r.get(f"redbatch:{{{TEST_MODEL}}}:owner:node-1")
-    assert owner is not None
+    assert owner is not None and r.pttl(f"redbatch:{{{TEST_MODEL}}}:owner:node-1") > 0
+    xadded = r.xinfo_stream(STREAM)
+    assert (xadded["entries-added"], xadded["length"]) == (1, 0), "one entry, answered"
     again = run_client(node_client, redis_url, cat, "--admit", "--rid=node-1", rc=3)
     assert again == {"id": "node-1", "admit_code": "DUPLICATE_REQUEST_ID",
                      "admit_error": f"DUPLICATE_REQUEST_ID {owner.decode()}"}, again
+    assert r.xlen(STREAM) == 0, "no entry of the duplicate is left"
+    added = r.xinfo_stream(STREAM)["entries-added"]
+    bad = run_client(node_client, redis_url, cat, "--admit", "--rid=node 2", rc=3)
+    assert bad == {"id": "node 2", "admit_code": "BAD_CALL",
+                   "admit_error": "BAD_CALL unusable request id of job 1"}, bad
     r.hset(f"redbatch:{{{TEST_MODEL}}}:limits", "interactive", 0)
     full = run_client(node_client, redis_url, cat, "--admit", rc=3)
     assert (full["admit_code"], full["admit_error"]) == ("QUEUE_FULL", "QUEUE_FULL 0"), full
+    assert r.exists(f"redbatch:{{{TEST_MODEL}}}:owner:{full['id']}") == 0
+    assert r.xinfo_stream(STREAM)["entries-added"] == added, "BAD_CALL, QUEUE_FULL: no XADD"
     assert r.xlen(STREAM) == 0 and pending_count(r) == 0
+
+
+def test_node_client_admitted_entry_is_the_pages(node_client: Path, redis_url: str,
+                                                 r: redis.Redis) -> None:
+    """Without a worker the entry stays queued: it has the fields rid, job and adm (1) the
+    page gives, and its request id's owner key names it."""
+    proc = subprocess.Popen([shutil.which("node") or "node", str(node_client), redis_url,
+                             str(SAMPLES / "cat.jpg"), "--admit", "--rid=node-q"],
+                            cwd=node_client.parent, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(200):
+            if r.xlen(STREAM):
+                break
+            proc.poll()
+            assert proc.returncode is None, proc.communicate()
+            time.sleep(0.05)
+        (entry_id, fields), = cast(list[tuple[bytes, dict[bytes, bytes]]], r.xrange(STREAM))
+        assert set(fields) == {b"rid", b"job", b"adm"}, fields
+        assert (fields[b"rid"], fields[b"adm"]) == (b"node-q", b"1")
+        job = msgpack.unpackb(fields[b"job"], raw=False)
+        assert (job["lane"], job["model"], job["v"]) == ("interactive", TEST_MODEL, 1)
+        assert r.get(f"redbatch:{{{TEST_MODEL}}}:owner:node-q") == entry_id
+    finally:
+        proc.kill()
+        proc.communicate()

@@ -16,10 +16,11 @@ from conftest import SAMPLES, shm_entries
 from handlers_for_tests import CRASH, SLOW
 from redbatch.common.config import LimitSettings, PoolSettings
 from redbatch.common.protocol import ErrorCode
-from redbatch.handlers import EfficientNetLite0
+from redbatch.handlers import EfficientNetLite0, NullModel
+from redbatch.handlers.base import preprocesses_inline
 from redbatch.preproc_worker.pool import PreprocPool
 from redbatch.preproc_worker.shm import SlotAllocator, SlotArray
-from redbatch.preproc_worker.worker import PreprocDone
+from redbatch.preproc_worker.worker import PreprocDone, Task, preprocess_group
 
 CAT = (SAMPLES / "cat.jpg").read_bytes()
 COFFEE = (SAMPLES / "coffee.jpg").read_bytes()
@@ -28,12 +29,13 @@ N_SLOTS = 16
 
 
 class Running:
-    def __init__(self, processes: int) -> None:
+    def __init__(self, processes: int, crash_retries: int = 1) -> None:
         self.slots = SlotArray.create(N_SLOTS, (3, 224, 224), "float32")
-        self.pool = PreprocPool(SPEC, LimitSettings(), PoolSettings(processes=processes),
-                                self.slots.layout)
-        self.records: queue.Queue[PreprocDone] = queue.Queue()
-        self.pool.start(on_done=self.records.put)
+        settings = PoolSettings(processes=processes, crash_retries=crash_retries)
+        self.pool = PreprocPool(SPEC, LimitSettings(), settings, self.slots.layout)
+        self.messages: queue.Queue[list[PreprocDone]] = queue.Queue()
+        self.pool.start(on_records=self.messages.put)
+        self.message_sizes: list[int] = []
 
     def collect(self, n: int, timeout_s: float = 60.0) -> dict[int, PreprocDone]:
         """Wait for n accepted records, reaping dead processes as the worker loop does."""
@@ -44,27 +46,48 @@ class Running:
             for record in self.pool.reap():
                 done[record.key] = record
             try:
-                record = self.records.get(timeout=0.1)
+                records = self.messages.get(timeout=0.1)
             except queue.Empty:
                 continue
-            if self.pool.complete(record):
-                done[record.key] = record
+            self.message_sizes.append(len(records))
+            done.update((record.key, record) for record in self.pool.complete(records))
         return done
+
+    def learn_light_tasks(self) -> None:
+        """Bad inputs are answered in microseconds: after a few, the pool sizes its chunks
+        for light tasks (many to a message) rather than for photos (one or two)."""
+        self.pool.submit_many([Task(i, b"not an image", "") for i in range(N_SLOTS)])
+        self.collect(N_SLOTS)
+        self.message_sizes.clear()
 
     def close(self) -> None:
         self.pool.close()
         self.slots.close()
 
 
-@pytest.fixture
-def running() -> Iterator[Running]:
+def _running(processes: int, crash_retries: int = 1) -> Iterator[Running]:
     before = shm_entries()
-    run = Running(processes=2)
+    run = Running(processes, crash_retries)
     yield run
     run.close()
     multiprocessing.active_children()  # forget processes that were reaped
     gc.collect()  # queue semaphores are unlinked when collected, as at process exit
     assert shm_entries() <= before, "shared memory or semaphores left behind"
+
+
+@pytest.fixture
+def running() -> Iterator[Running]:
+    yield from _running(processes=2)
+
+
+@pytest.fixture
+def one_process() -> Iterator[Running]:
+    yield from _running(processes=1)
+
+
+@pytest.fixture
+def one_process_no_retry() -> Iterator[Running]:
+    yield from _running(processes=1, crash_retries=0)
 
 
 def test_pool_writes_the_same_pixels_as_in_process_preprocessing(running: Running) -> None:
@@ -130,3 +153,74 @@ def test_urgent_tasks_go_first_and_in_arrival_order() -> None:
     finally:
         run.close()
     assert order == busy + urgent + bulk
+
+
+def test_light_tasks_cross_in_chunks_and_come_back_in_order(one_process: Running) -> None:
+    run = one_process
+    run.learn_light_tasks()
+    tasks = [Task(i, CAT if i in (3, 9) else b"not an image", "") for i in range(12)]
+    keys = run.pool.submit_many(tasks)
+    done = run.collect(len(tasks))
+    assert list(done) == keys and len(set(keys)) == len(keys)
+    assert max(run.message_sizes) > 1, "records came back one message each"
+    for key, task in zip(keys, tasks, strict=True):
+        assert done[key].slot == task.slot
+        assert done[key].error_code is (None if task.payload is CAT else ErrorCode.BAD_IMAGE)
+    expected = np.empty((3, 224, 224), np.float32)
+    EfficientNetLite0(LimitSettings()).preprocess(CAT, "", {}, expected)
+    np.testing.assert_array_equal(run.slots.array[9], expected)
+
+
+def test_a_crash_mid_chunk_charges_only_the_task_in_hand(one_process_no_retry: Running) -> None:
+    # One chunk: photos, the poison, photos, and no retry: whatever the dead process held
+    # and was charged with is given up at once, so only the poison may be.
+    run = one_process_no_retry
+    run.learn_light_tasks()
+    tasks = [Task(i, CRASH if i == 4 else CAT, "") for i in range(9)]
+    keys = run.pool.submit_many(tasks)
+    done = run.collect(len(tasks))
+    assert run.pool.restarts == 1
+    assert done[keys[4]].error_code is ErrorCode.PREPROCESS_CRASHED
+    assert all(done[k].error_code is None for k in keys[:4] + keys[5:])
+    assert all(done[k].attempt == 1 for k in keys[5:]), "they were in the dead one's chunk"
+
+
+def test_urgent_tasks_lead_their_chunk(one_process: Running) -> None:
+    run = one_process
+    run.learn_light_tasks()
+    keys = run.pool.submit_many([Task(i, CAT, "", urgent=i >= 3) for i in range(7)])
+    assert list(run.collect(7)) == keys[3:] + keys[:3]
+
+
+def test_waiting_tasks_are_shared_among_processes(running: Running) -> None:
+    # Four one-second tasks on two processes: two each take two seconds, all on one four.
+    running.learn_light_tasks()
+    start = time.monotonic()
+    running.pool.submit_many([Task(i, SLOW + b"x", "") for i in range(4)])
+    running.collect(4)
+    assert time.monotonic() - start < 3.5
+
+
+class _InlineNull(NullModel):
+    inline_preprocess = True
+
+
+def test_an_inline_group_writes_the_pools_pixels_and_error_records() -> None:
+    handler = EfficientNetLite0(LimitSettings())
+    assert not preprocesses_inline(handler) and preprocesses_inline(_InlineNull(LimitSettings()))
+    slots = SlotArray.create(4, (3, 224, 224), "float32")
+    try:
+        tasks = [Task(2, CAT, ""), Task(0, b"not an image", ""), Task(3, COFFEE, "")]
+        records = preprocess_group(handler, slots, tasks)
+        expected = np.empty((3, 224, 224), np.float32)
+        for task, record in zip(tasks, records, strict=True):
+            assert record.slot == task.slot
+            if task.payload.startswith(b"not"):
+                assert record.error_code is ErrorCode.BAD_IMAGE and record.message
+                continue
+            assert record.error_code is None and record.preprocess_ms > 0
+            handler.preprocess(task.payload, "", {}, expected)
+            np.testing.assert_array_equal(slots.array[task.slot], expected)
+        assert [r.key for r in records] == [0, 1, 2]
+    finally:
+        slots.close()

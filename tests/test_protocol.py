@@ -183,6 +183,10 @@ def test_doc_names_keys_fields_and_group() -> None:
     assert k.reply("NAME").replace("efficientnet_lite0", "M").replace("redbatch", "P") in DOC
     assert "rid <request id> job <msgpack job envelope>" in DOC
     assert (p.FIELD_REQUEST_ID, p.FIELD_JOB) == ("rid", "job")
+    # Entries of the admission script carry a third field, adm (1), which the script sets.
+    assert p.FIELD_ADMITTED == "adm" and "a third field, `adm` (`1`)" in " ".join(DOC.split())
+    assert "'rid', ARGV[3 * i], 'job', ARGV[3 * i + 1],\n" in p.ADMIT_SCRIPT
+    assert re.search(r"'job', ARGV\[3 \* i \+ 1\],\s+'adm', '1'\)", p.ADMIT_SCRIPT)
     assert f"| consumer group | `{p.GROUP}` |" in DOC
     for lane in Lane:
         assert f"`{lane.value}`" in DOC
@@ -190,16 +194,68 @@ def test_doc_names_keys_fields_and_group() -> None:
         assert f"`{timing}`" in DOC
 
 
+def _tables_first_columns(heading: str) -> list[set[str]]:
+    """The first column of each table of the section under ``heading``."""
+    section = DOC.split(heading, 1)[1].split("\n#", 1)[0]
+    tables = re.split(r"\n(?!\|)[^\n]*\n(?=\| )", section)
+    return [set(rows) for table in tables
+            if (rows := re.findall(r"^\| `([^`]+)` \|", table, re.M))]
+
+
 def test_doc_gives_the_admission_script_and_limits_key() -> None:
     assert f"```lua\n{p.ADMIT_SCRIPT}```" in DOC, "PROTOCOL.md holds the script verbatim"
     assert Keys("M", "P").limits() == "P:{M}:limits" and "`P:{M}:limits`" in DOC
-    replies = _table_first_column("#### Replies, as they arrive")
+    # Revision 3 replies an array with an element per job (an entry id, or an error element
+    # QUEUE_FULL / DUPLICATE_REQUEST_ID), or one error for the whole call (BAD_CALL,
+    # NOPERM): the page's two tables, each code in the table of its kind of reply.
+    elements, whole_call = _tables_first_columns("#### Replies, as they arrive")
+    element_codes = {row[1:].split(" ")[0] for row in elements if row.startswith("-")}
+    call_codes = {row[1:].split(" ")[0] for row in whole_call if row.startswith("-")}
+    assert element_codes == {p.QUEUE_FULL_REPLY, p.DUPLICATE_REPLY}
+    assert call_codes == {p.BAD_CALL_REPLY, p.NOPERM_REPLY}
     for code in p.ADMIT_ERROR_CODES:
-        assert any(row.startswith(f"-{code} <") for row in replies), code
-    # Each error the script replies is "CODE text", which Redis passes on without "ERR ".
-    made = re.findall(r"error_reply\('([A-Z_]+) ", p.ADMIT_SCRIPT)
-    assert sorted(made) == sorted(p.ADMIT_ERROR_CODES)
-    assert p.ADMIT_SCRIPT.count("error_reply(") == len(made)
+        assert any(row.startswith(f"-{code} <") for row in elements | whole_call), code
+    # Each error the script makes is "CODE text", which Redis passes on without "ERR ":
+    # error elements as {err = 'CODE ' .. text}, whole-call errors through error_reply
+    # (BAD_CALL through its helper bad()).
+    made_elements = re.findall(r"\{err = '([A-Z_]+) ", p.ADMIT_SCRIPT)
+    made_errors = re.findall(r"error_reply\('([A-Z_]+) ", p.ADMIT_SCRIPT)
+    assert sorted(set(made_elements)) == sorted(element_codes), made_elements
+    assert sorted(set(made_errors)) == sorted(call_codes), made_errors
+    assert p.ADMIT_SCRIPT.count("{err =") == len(made_elements)
+    assert p.ADMIT_SCRIPT.count("error_reply(") == len(made_errors)
+    assert sorted({*made_elements, *made_errors}) == sorted(p.ADMIT_ERROR_CODES)
+
+
+def test_doc_gives_the_admission_call_line_of_the_code() -> None:
+    """The page's call line (2 + N keys, 1 + 3N arguments) is the one the client builds,
+    for one job and for several, and the most jobs of a call is MAX_ADMIT_JOBS."""
+    from redbatch.producer.core import _admit
+
+    line = re.search(r"^EVALSHA <sha1> <2 \+ N> (.*)$", DOC, re.M)
+    assert line is not None, "the page's call line"
+    assert line.group(1) == (
+        "P:{M}:jobs:<lane> P:{M}:limits P:{M}:owner:<request id 1> ... "
+        "P:{M}:owner:<request id N> <lane> <owner ttl ms 1> <request id 1> "
+        "<msgpack job envelope 1> ... <owner ttl ms N> <request id N> "
+        "<msgpack job envelope N>")
+    keys = Keys("m", "rb")
+    for n in (1, 3):
+        jobs = [job(request_id=f"r{i}", lane=Lane.INTERACTIVE, deadline_ms=None)
+                for i in range(n)]
+        call = _admit(keys, jobs)
+        assert call.keys == [keys.stream(Lane.INTERACTIVE), keys.limits(),
+                             *(keys.owner(f"r{i}") for i in range(n))]
+        assert call.args == ["interactive", *(arg for j in jobs for arg in (
+            p.owner_ttl_ms(None), j.request_id, j.encode()[p.FIELD_JOB]))]
+        assert len(call.keys) == 2 + n and len(call.args) == 1 + 3 * n
+    text = " ".join(DOC.split())
+    assert f"admits one job or many (up to {p.MAX_ADMIT_JOBS:,})" in text
+    assert f"N from 1 to {p.MAX_ADMIT_JOBS:,}" in text
+    assert f"if n < 1 or n > {p.MAX_ADMIT_JOBS} or #ARGV ~= 1 + 3 * n then" in p.ADMIT_SCRIPT
+    # The revision the script names is the one the page describes as current.
+    revision = re.search(r"\(revision (\d+):", p.ADMIT_SCRIPT.splitlines()[0])
+    assert revision is not None and f"Revision {int(revision.group(1)) - 1} admitted" in text
 
 
 def test_doc_gives_the_owner_ttl_formula_of_the_code() -> None:

@@ -358,9 +358,10 @@ def test_a_malformed_jsonl_manifest_is_refused_naming_file_and_line(
 def test_bulk_lane_is_not_throttled_by_the_intake(redis_url: str, start_worker: WorkerFactory,
                                                   tmp_path: Path) -> None:
     """With the worker's defaults and the default window, the bulk lane scores at least
-    half as fast as the interactive lane on an idle worker (its intake must not sleep on
-    the interactive stream while bulk places come free)."""
-    _write_images(tmp_path / "many", 500)
+    0.7x as fast as the interactive lane on an idle worker: its intake must not sleep on
+    the interactive stream while bulk places come free (it did for 500 ms, then for 10 ms
+    at a time: 0.4-0.5x; now at about parity). 2,000 jobs: shorter runs are too noisy."""
+    _write_images(tmp_path / "many", 2000)
     start_worker(model="null")
     rates = {}
     for lane in ("interactive", "bulk"):
@@ -369,7 +370,7 @@ def test_bulk_lane_is_not_throttled_by_the_intake(redis_url: str, start_worker: 
         assert proc.returncode == 0, proc.stderr[-3000:]
         rates[lane] = _summary_rate(proc.stderr)
     print(f"\nscoring rate by lane: {rates}")
-    assert rates["bulk"] >= 0.5 * rates["interactive"], rates
+    assert rates["bulk"] >= 0.7 * rates["interactive"], rates
 
 
 # ---------------------------------------------------------------------------- 3: resume

@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 from pathlib import Path
 
-from redbatch.common.config import BatchSettings, ModelSettings, Settings, TuneSettings
+import psutil
+import pytest
+from conftest import WorkerFactory
+from redbatch.common.config import (
+    BatchSettings,
+    ModelSettings,
+    PoolSettings,
+    Settings,
+    TuneSettings,
+)
+from redbatch.gpu_worker.device import (
+    choose_pool_processes,
+    choose_torch_threads,
+    cpu_lanes,
+    resolve_device,
+)
 from redbatch.gpu_worker.tuning.apply import (
     apply_profile,
     find_profile,
+    sized_pool,
     warmup_sizes,
     worth_measuring_again,
 )
@@ -110,3 +128,55 @@ def test_a_doubtful_quick_profile_is_measured_again() -> None:
     capped = profile(max_batch=2, quick=True, cpu_share=0.95, max_batch_cap=2)
     assert "only up to batch 2" in worth_measuring_again(capped, settings())
     assert worth_measuring_again(capped, settings("max_batch_size", max_batch_size=2)) == ""
+
+
+# ------------------------------------------------------------------ the pool's size
+
+
+@pytest.mark.parametrize("device, lanes, threads, cores, pool", [
+    ("cuda", 1, 1, 16, 15),  # one core for the launching and collecting threads
+    ("cuda", 1, 15, 16, 15),  # torch threads barely matter on CUDA
+    ("cuda", 1, 1, 1, 1),
+    ("cpu", 2, 1, 2, 1),  # 2 lanes x 1 thread take both cores: still one process
+    ("cpu", 2, 8, 16, 5),  # the default threads take all 16: a third for the pool
+    ("cpu", 2, 2, 16, 12),  # explicit threads leave 12
+    ("cpu", 1, 1, 1, 1),
+])
+def test_the_pool_gets_the_cores_the_models_threads_leave(device: str, lanes: int,
+                                                           threads: int, cores: int,
+                                                           pool: int) -> None:
+    assert choose_pool_processes(0, device, lanes, threads, cores) == pool
+    assert choose_pool_processes(3, device, lanes, threads, cores) == 3, "given: kept"
+
+
+def test_cuda_threads_take_what_the_default_pool_leaves() -> None:
+    cores = os.cpu_count() or 1
+    pool = choose_pool_processes(0, "cuda", 1, 1)
+    assert choose_torch_threads(0, 0, "cuda") == max(1, cores - pool)
+    assert choose_torch_threads(0, 1, "cuda") == max(1, cores - 1)
+    assert choose_torch_threads(4, 0, "cuda") == 4
+
+
+def test_sized_pool_resolves_auto_and_keeps_a_given_count() -> None:
+    auto, note = sized_pool(Settings(), "cpu", 2, 8)
+    assert auto.pool.processes == choose_pool_processes(0, "cpu", 2, 8) >= 1
+    assert note.startswith(f"pool: {auto.pool.processes} preprocessing processes (auto on cpu")
+    given, note = sized_pool(Settings(pool=PoolSettings(processes=3)), "cuda", 1, 1)
+    assert given.pool.processes == 3 and note.endswith("(given)")
+    with pytest.raises(ValueError):
+        PoolSettings(processes=-1)
+
+
+def test_a_worker_without_pool_processes_logs_and_starts_the_count_it_chose(
+        start_worker: WorkerFactory, tmp_path: Path) -> None:
+    kind = resolve_device("auto").type
+    lanes = cpu_lanes(0) if kind == "cpu" else 1
+    expected = choose_pool_processes(0, kind, lanes, choose_torch_threads(0, 0, kind, lanes))
+    worker = start_worker()
+    log = (tmp_path / "worker-0.log").read_text(errors="replace")
+    assert f"pool: {expected} preprocessing processes (auto on {kind}" in log, log[-3000:]
+    deadline = time.monotonic() + 30
+    while len(pool := [p for p in psutil.Process(worker.pid).children()
+                       if "spawn_main" in " ".join(p.cmdline())]) != expected:
+        assert time.monotonic() < deadline, f"{len(pool)} pool processes, {expected} logged"
+        time.sleep(0.2)

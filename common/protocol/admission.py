@@ -4,6 +4,7 @@ every producer submits with, its replies, and the owner key's TTL."""
 from __future__ import annotations
 
 import math
+import re
 
 from redbatch.common.protocol.keys import MAX_NAME_CHARS, MAX_REQUEST_ID_CHARS
 
@@ -12,21 +13,20 @@ from redbatch.common.protocol.keys import MAX_NAME_CHARS, MAX_REQUEST_ID_CHARS
 MAX_OWNER_TTL_DIGITS = 15
 """Longest owner TTL the admission script takes, decimal digits (about 31,000 years in ms)."""
 
+MAX_ADMIT_JOBS = 1000
+"""Most jobs one call of the admission script takes."""
+
 ADMIT_SCRIPT = f"""\
--- redbatch admission script, protocol 1 (revision 2: every check before the first write)
--- KEYS: P:{{M}}:jobs:<lane>  P:{{M}}:limits  P:{{M}}:owner:<request id>
--- ARGV: <lane>  <owner TTL ms>  rid  <request id>  job  <msgpack job envelope>
+-- redbatch admission script, protocol 1 (revision 3: N jobs a call; every check first)
+-- KEYS: P:{{M}}:jobs:<lane>  P:{{M}}:limits  then P:{{M}}:owner:<request id> per job
+-- ARGV: <lane>  then per job: <owner TTL ms>  <request id>  <msgpack job envelope>
 local function bad(why) return redis.error_reply('BAD_CALL ' .. why) end
-if #KEYS ~= 3 or #ARGV ~= 6 then return bad('expected 3 keys and 6 arguments') end
-local lane, ttl, rid = ARGV[1], ARGV[2], ARGV[4]
+local n = #KEYS - 2
+if n < 1 or n > {MAX_ADMIT_JOBS} or #ARGV ~= 1 + 3 * n then
+  return bad('expected 2 + N keys and 1 + 3N arguments, N from 1 to {MAX_ADMIT_JOBS}')
+end
+local lane = ARGV[1]
 if lane ~= 'interactive' and lane ~= 'bulk' then return bad('unknown lane') end
-if ARGV[3] ~= 'rid' or ARGV[5] ~= 'job' then return bad('fields must be rid and job') end
-if #rid > {MAX_REQUEST_ID_CHARS} or not rid:find('^[A-Za-z0-9_.:%-]+$') then
-  return bad('unusable request id')
-end
-if #ttl > {MAX_OWNER_TTL_DIGITS} or not ttl:find('^[1-9][0-9]*$') then
-  return bad('owner TTL must be a positive integer')
-end
 local name = '[A-Za-z0-9][A-Za-z0-9_.%-]*'
 local base = KEYS[1]:match('^(.+):jobs:' .. lane .. '$') or ''
 local prefix, model = base:match('^(' .. name .. '):{{(' .. name .. ')}}$')
@@ -34,37 +34,67 @@ if not prefix or #prefix > {MAX_NAME_CHARS} or #model > {MAX_NAME_CHARS} then
   return bad('KEYS[1] is not the stream of the lane')
 end
 if KEYS[2] ~= base .. ':limits' then return bad('KEYS[2] is not the limits hash') end
-if KEYS[3] ~= base .. ':owner:' .. rid then return bad('KEYS[3] is not the owner key') end
-if redis.acl_check_cmd and not redis.acl_check_cmd('SET', KEYS[3], '0-1', 'PX', ttl) then
-  return redis.error_reply('NOPERM this user may not SET ' .. KEYS[3])
+local acl = redis.acl_check_cmd
+if acl and not (acl('XADD', KEYS[1], '*', 'a', 'b') and acl('XDEL', KEYS[1], '0-1')) then
+  return redis.error_reply('NOPERM this user may not XADD and XDEL ' .. KEYS[1])
 end
-local bound = tonumber(redis.call('HGET', KEYS[2], lane))
-if bound and redis.call('XLEN', KEYS[1]) >= bound then
-  return redis.error_reply('QUEUE_FULL ' .. bound)
+for i = 1, n do
+  local ttl, rid, owner = ARGV[3 * i - 1], ARGV[3 * i], KEYS[2 + i]
+  if #rid > {MAX_REQUEST_ID_CHARS} or not rid:find('^[A-Za-z0-9_.:%-]+$') then
+    return bad('unusable request id of job ' .. i)
+  end
+  if #ttl > {MAX_OWNER_TTL_DIGITS} or not ttl:find('^[1-9][0-9]*$') then
+    return bad('owner TTL of job ' .. i .. ' must be a positive integer')
+  end
+  if owner ~= base .. ':owner:' .. rid then
+    return bad('KEYS[' .. (2 + i) .. '] is not the owner key of job ' .. i)
+  end
+  if acl and not acl('SET', owner, '0-1', 'NX', 'PX', ttl) then
+    return redis.error_reply('NOPERM this user may not SET ' .. owner)
+  end
 end
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  local owner = redis.pcall('GET', KEYS[3])
-  if type(owner) ~= 'string' or not owner:find('^%d+%-%d+$') then owner = '?' end
-  return redis.error_reply('DUPLICATE_REQUEST_ID ' .. owner)
+local room, raw = n, redis.call('HGET', KEYS[2], lane)
+local bound = raw and raw:find('^%-?%d+%.?%d*$') and tonumber(raw)
+if bound then room = math.max(0, math.ceil(bound - redis.call('XLEN', KEYS[1]))) end
+local replies = {{}}
+for i = 1, n do
+  local owner = KEYS[2 + i]
+  if room < 1 then
+    replies[i] = {{err = 'QUEUE_FULL ' .. bound}}
+  else
+    local id = redis.call('XADD', KEYS[1], '*', 'rid', ARGV[3 * i], 'job', ARGV[3 * i + 1],
+                          'adm', '1')
+    if redis.call('SET', owner, id, 'NX', 'PX', ARGV[3 * i - 1]) then
+      room = room - 1
+      replies[i] = id
+    else
+      redis.call('XDEL', KEYS[1], id)
+      local first = redis.pcall('GET', owner)
+      if type(first) ~= 'string' or not first:find('^%d+%-%d+$') then first = '?' end
+      replies[i] = {{err = 'DUPLICATE_REQUEST_ID ' .. first}}
+    end
+  end
 end
-local id = redis.call('XADD', KEYS[1], '*', 'rid', rid, 'job', ARGV[6])
-redis.call('SET', KEYS[3], id, 'PX', ttl)
-return id
+return replies
 """
-"""Admission: XADD a job only while its lane's stream holds fewer entries than the
-lane's bound in :meth:`Keys.limits`, and only if its request id is free; then record the
-new entry as the id's owner. One Lua script, so it is atomic; and every check (the call's
-shape, the keys, the TTL, the ACL of the SET) comes before its first write, so an error
-reply means nothing was written (Redis refuses a script's first write under OOM, and
-never a later one). Workers XDEL each entry when they answer it, so XLEN is exactly the
-jobs queued or in progress. Returns the entry id, or an error reply whose first word is
-its code (ADMIT_ERROR_CODES). Run it with EVALSHA; PROTOCOL.md holds the same text.
-Each client sends its own copy, so a new revision never breaks an older client."""
+"""Admission: for each of N jobs of one lane, XADD it (with the field FIELD_ADMITTED) while
+the lane's stream holds fewer entries than its bound in :meth:`Keys.limits`, and make the
+new entry its request id's owner (SET NX PX); an id that has an owner already takes its
+entry back out at once (XDEL), so only duplicates cost a third command. One Lua script, so
+it is atomic; every check of the call (its shape, the keys, the TTLs, the ACL of the
+commands) comes before the first write, so an error reply to the call means nothing was
+written (Redis refuses a script's first write under OOM, and never a later one). Replies
+an array with one element per job, in order: the entry id, or an error element whose
+first word is its code (QUEUE_FULL, DUPLICATE_REQUEST_ID). Workers XDEL each entry when
+they answer it, so XLEN is exactly the jobs queued or in progress. Run it with EVALSHA;
+PROTOCOL.md holds the same text. Each client sends its own copy, so a new revision never
+breaks an older client (entries without FIELD_ADMITTED are claimed by the worker)."""
 
 OWNER_TTL_PAD_MS = 600_000
 """Added to a job's own time budget for its owner key's TTL at submit; a job with no
-deadline gets NO_DEADLINE_OWNER_TTL_MS. Workers set the TTL to the result's when they
-answer, so the id stays taken exactly as long as its result can be read."""
+deadline gets NO_DEADLINE_OWNER_TTL_MS. As long as the default result TTL (600 s), so the
+id stays taken at least as long as a result written within the budget can be read; its
+reader may free it sooner (OwnerKeys.free)."""
 NO_DEADLINE_OWNER_TTL_MS = 24 * 3600 * 1000
 
 # NOTE [ Request id owners ]
@@ -109,17 +139,18 @@ def error_reply_code(message: str) -> str:
     return message.split(" ", 1)[0]
 
 
+#: A limits-hash field that is a bound: a decimal number, digits with an optional minus and
+#: fraction (the admission script matches the same pattern, as a Lua pattern).
+_BOUND = re.compile(r"-?[0-9]+\.?[0-9]*")
+
+
 def parse_queue_bound(raw: bytes | str | None) -> int | None:
     """A limits-hash field read as the admission script reads it: the most entries the
-    lane may hold, or None (unbounded) when the field is absent or not a number."""
-    if raw is None:
+    lane may hold (a fraction rounds up, below 0 is 0), or None (unbounded) when the field
+    is absent or not a decimal number (hex, exponents, nan and inf included)."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    if text is None or not _BOUND.fullmatch(text):
         return None
-    try:
-        value = float(raw)
-    except ValueError:
-        return None
-    if math.isnan(value) or math.isinf(value):
-        return None
-    return max(0, math.ceil(value))
+    return max(0, math.ceil(float(text)))
 
 

@@ -17,6 +17,9 @@ FIELD_REQUEST_ID = "rid"
 body that fails to decode can still be answered."""
 FIELD_JOB = "job"
 """Stream field holding the msgpack job envelope."""
+FIELD_ADMITTED = "adm"
+"""Stream field the admission script adds (value ``1``): it already made the entry its
+request id's owner, so workers need not claim the id again when they read it."""
 
 DONE_TOKEN = b"1"
 

@@ -11,7 +11,7 @@ transaction and round trips stay as they are. Key names come from :class:`Keys`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import redis
 from redbatch.common.protocol.admission import OWNER_TTL_PAD_MS, owner_ttl_ms
@@ -22,9 +22,12 @@ class OwnerKeys:
     """The owner keys of one model's request ids (``Keys.owner``), each naming the stream
     entry of the job that owns the id; see NOTE [ Request id owners ] in admission.py.
 
-    Lifecycle: set at admission, claimed when a worker reads the entry (:meth:`claim`), kept
-    as long as the result (:meth:`keep`), freed once the result was read (:meth:`free`) and
-    retaken by a retried dead letter (:meth:`retake`); else it expires. The admission script
+    Lifecycle: set at admission with its TTL (``owner_ttl_ms``: the job's budget plus
+    OWNER_TTL_PAD_MS, at least as long as a result written within the budget lives), claimed
+    when a worker reads an entry that did not come through the admission script
+    (:meth:`claim`), freed once the result was read (:meth:`free`) and retaken by a retried
+    dead letter (:meth:`retake`); else it expires. Writing the result does not touch it: one
+    command per job less. The admission script
     sets it too, beside the checks it makes atomic with the XADD: that script is the
     protocol's text, which clients in any language send as it is, so it stays in admission.py.
     """
@@ -48,14 +51,6 @@ class OwnerKeys:
         by hand) replies with an error, and then the id counts as free rather than letting
         one odd key wedge the job."""
         return reply if isinstance(reply, bytes) and reply != entry_id else None
-
-    def keep(self, pipe: redis.Redis, request_id: str, ttl_ms: int) -> str:
-        """Queue PEXPIRE of the id's owner key to its result's TTL, ms, so the id stays
-        taken exactly as long as its result can be read. Returns ``"PEXPIRE <key>"``, to
-        name the command in messages."""
-        key = self.keys.owner(request_id)
-        pipe.pexpire(key, ttl_ms)
-        return f"PEXPIRE {key}"
 
     def free(self, pipe: redis.Redis, request_ids: Sequence[str]) -> None:
         """Queue one DEL of the ids' owner keys together with their answers (result key
@@ -87,16 +82,20 @@ class AnswerKeys:
         """The result key and the done list of ``request_id``."""
         return self.keys.result(request_id), self.keys.done(request_id)
 
-    def write(self, pipe: redis.Redis, request_id: str, encoded: bytes,
-              ttl_ms: int) -> list[str]:
-        """Queue the result (SET NX GET PX) and its wake-up token (RPUSH, PEXPIRE), both
-        living ``ttl_ms``. Returns ``"<command> <key>"`` per command queued, in order.
+    def write(self, pipe: redis.Redis, request_id: str, encoded: bytes, ttl_ms: int,
+              token: bool = True) -> list[str]:
+        """Queue the result (SET NX GET PX) and, with ``token``, its wake-up token (RPUSH,
+        PEXPIRE), all living ``ttl_ms``. A job that names a reply list gets no token: its
+        client waits on that list (PROTOCOL.md "Waiting for the result"). Returns
+        ``"<command> <key>"`` per command queued, in order.
 
         NX: a job run twice (taken over from a stuck worker) keeps its first result, so a
         late write never changes what a client already read. GET makes a key of another
         type planted there fail (WRONGTYPE) instead of passing for a first result."""
         result, done = self.names(request_id)
         pipe.set(result, encoded, px=ttl_ms, nx=True, get=True)
+        if not token:
+            return [f"SET {result}"]
         pipe.rpush(done, DONE_TOKEN)
         pipe.pexpire(done, ttl_ms)
         return [f"SET {result}", f"RPUSH {done}", f"PEXPIRE {done}"]
@@ -120,22 +119,22 @@ class ReplyList:
         #: The list's key, as a job's ``reply_to`` names it.
         self.key = key
 
-    def announce(self, pipe: redis.Redis, request_id: str, ttl_ms: int) -> list[str]:
-        """Queue RPUSH of ``request_id`` and PEXPIRE ``ttl_ms`` of the list. Returns
-        ``"<command> <key>"`` per command queued, in order."""
-        pipe.rpush(self.key, request_id)
+    def announce(self, pipe: redis.Redis, request_ids: Sequence[str],
+                 ttl_ms: int) -> list[str]:
+        """Queue one RPUSH of ``request_ids`` (in order) and PEXPIRE ``ttl_ms`` of the list.
+        Returns ``"<command> <key>"`` per command queued, in order."""
+        pipe.rpush(self.key, *request_ids)
         pipe.pexpire(self.key, ttl_ms)
         return [f"RPUSH {self.key}", f"PEXPIRE {self.key}"]
 
-    def pop(self, r: redis.Redis, wait_s: float, more: int) -> list[str]:
-        """Wait up to ``wait_s`` for an id (BLPOP), then take up to ``more`` others without
-        waiting (LPOP); [] when none came. Two round trips. Raises Redis errors as they
-        come: a BLPOP whose reply was lost has still taken its id."""
-        first = cast(tuple[bytes, bytes] | None, r.blpop([self.key], timeout=wait_s))
-        if first is None:
+    def pop(self, r: redis.Redis, wait_s: float, most: int) -> list[str]:
+        """Up to ``most`` ids in one BLMPOP, which waits up to ``wait_s`` only while the
+        list is empty; [] when none came. Raises Redis errors as they come: a BLMPOP whose
+        reply was lost has still taken its ids."""
+        got = r.blmpop(wait_s, 1, self.key, direction="LEFT", count=most)
+        if got is None:
             return []
-        rest = cast(list[bytes] | None, r.lpop(self.key, more)) or []
-        return [rid.decode() for rid in (first[1], *rest)]
+        return [rid.decode() for rid in cast(list[Any], got)[1]]
 
     def delete(self, r: redis.Redis) -> None:
         """Delete the list (DEL)."""

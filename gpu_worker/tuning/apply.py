@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,8 +152,9 @@ def worth_measuring_again(profile: Profile, settings: Settings) -> str:
 
 
 def tune(settings: Settings, handler: Handler) -> Tuned:
-    """Set torch's threads, resolve the device, load the model, then load (or, with
-    ``--calibrate auto``, measure and store) the profile and apply it.
+    """Resolve the device, set torch's threads, size the pool (``sized_pool``), load the
+    model, then load (or, with ``--calibrate auto``, measure and store) the profile and
+    apply it.
 
     Raises ValueError for a device that does not exist.
     """
@@ -161,12 +163,29 @@ def tune(settings: Settings, handler: Handler) -> Tuned:
 
     device = resolve_device(settings.model.device)
     lanes = cpu_lanes(settings.model.cpu_lanes) if device.type == "cpu" else 1
-    torch.set_num_threads(choose_torch_threads(settings.model.torch_threads,
-                                               settings.pool.processes, device.type, lanes))
+    threads = choose_torch_threads(settings.model.torch_threads, settings.pool.processes,
+                                   device.type, lanes)
+    torch.set_num_threads(threads)
+    settings, pool_note = sized_pool(settings, device.type, lanes, threads)
     model = handler.load(device)
     tuned = _with_profile(settings, handler, model, device, lanes)
     tuned.device, tuned.model, tuned.lanes = device, model, lanes
+    tuned.notes.insert(0, pool_note)
     return tuned
+
+
+def sized_pool(settings: Settings, device_type: str, lanes: int,
+               torch_threads: int) -> tuple[Settings, str]:
+    """``settings`` with the pool's processes resolved (0: auto, gpu_worker/device.py
+    ``choose_pool_processes``), and a line for the start-up log saying how. Pure."""
+    from redbatch.gpu_worker.device import choose_pool_processes, pool_rule
+
+    asked = settings.pool.processes
+    n = choose_pool_processes(asked, device_type, lanes, torch_threads)
+    how = "given" if asked else (f"auto on {device_type} with {os.cpu_count() or 1} cores: "
+                                 f"{pool_rule(device_type)}")
+    pool = dataclasses.replace(settings.pool, processes=n)
+    return dataclasses.replace(settings, pool=pool), f"pool: {n} preprocessing processes ({how})"
 
 
 def _with_profile(settings: Settings, handler: Handler,

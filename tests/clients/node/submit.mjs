@@ -7,9 +7,11 @@
 // itself, instead of a plain XADD; --rid=ID uses that request id instead of a fresh one.
 //
 // Prints one line of JSON: {id, status, label, error_code, result}, or, when the admission
-// script refuses the job, {id, admit_error, admit_code} (the error reply as it arrived).
+// script refuses the job, {id, admit_error, admit_code} (the job's error element, or the
+// error reply to the whole call, as it arrived; admit_code is its first word).
 // Exit status: 0 when a result arrived (even an error result), 2 on timeout, 3 when the
-// admission script refused the job, 1 on usage error.
+// admission script refused the job, 1 on usage error or an admission reply the page does not
+// describe.
 import { readFileSync } from 'node:fs';
 import { randomUUID } from 'node:crypto';
 import { extname } from 'node:path';
@@ -70,19 +72,36 @@ await base.connect();
 const client = base.withTypeMapping({ [RESP_TYPES.BLOB_STRING]: Buffer });
 
 if (admit) {
-  // The admission script exactly as PROTOCOL.md gives it, called as the page says.
+  // The admission script exactly as PROTOCOL.md gives it, called as the page says for a
+  // call of one job (N = 1): 2 + N keys (the lane's stream, the limits hash, the job's
+  // owner key) and 1 + 3N arguments (the lane, then the job's owner TTL, request id and
+  // envelope).
   const page = readFileSync(new URL('../../../PROTOCOL.md', import.meta.url), 'utf8');
   const script = page.match(/```lua\n([\s\S]*?)```/)[1];
   const ownerTtl = Math.max(0, deadline - submitted) + 600000;
-  try {
-    await client.sendCommand(['EVAL', script, '3', streamKey, limitsKey, ownerKey,
-      'interactive', String(ownerTtl), 'rid', rid, 'job', job]);
-  } catch (err) {
-    // Every error reply of the script is "CODE text": the code is the first word.
-    console.log(JSON.stringify({ id: rid, admit_error: err.message,
-      admit_code: err.message.split(' ')[0] }));
+  const refused = async (message) => {
+    // Every error of the script is "CODE text": the code is the first word.
+    console.log(JSON.stringify({ id: rid, admit_error: message,
+      admit_code: message.split(' ')[0] }));
     await base.close();
     process.exit(3);
+  };
+  let reply;
+  try {
+    reply = await client.sendCommand(['EVAL', script, '3', streamKey, limitsKey, ownerKey,
+      'interactive', String(ownerTtl), rid, job]);
+  } catch (err) {
+    await refused(err.message);         // an error for the whole call (BAD_CALL, NOPERM, ...)
+  }
+  // An array with one element per job: the new entry id, or an error element
+  // (QUEUE_FULL, DUPLICATE_REQUEST_ID), which node-redis hands over as an Error in the array.
+  const [element] = Array.isArray(reply) && reply.length === 1 ? reply : [undefined];
+  if (element instanceof Error) await refused(element.message);
+  const entryId = Buffer.isBuffer(element) ? element.toString() : element;
+  if (typeof entryId !== 'string' || !/^\d+-\d+$/.test(entryId)) {
+    console.error(`admission: expected [<entry id>] or [<error>], got ${String(reply)}`);
+    await base.close();
+    process.exit(1);
   }
 } else {
   // Exactly two fields: rid outside the envelope, job the msgpack envelope.

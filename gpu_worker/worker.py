@@ -1,0 +1,126 @@
+"""The worker process's lifecycle: start every part in one phase, start the helper threads,
+run the main loop (loop.py), and always tear down.
+
+NOTE [ Worker shutdown ]
+  1. First SIGTERM/SIGINT (``stop``): intake stops reading; the main loop
+     finishes what is in flight, writes and acknowledges, for at most
+     ``shutdown_grace_s``; then teardown. A signal during start-up ends the
+     wait for Redis, and the worker tears down what it had built.
+  2. Second signal (``abort``): the main loop leaves at once. Jobs read but
+     not answered stay pending in Redis: nothing is acknowledged without its
+     result, so they are served again.
+  3. Teardown, on every exit path (one ExitStack, in the reverse order of
+     start-up): stop the heartbeat, stop the threads, close the model, stop the
+     pool processes, unlink the shared-memory segment, close the metrics server.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from contextlib import ExitStack
+from typing import Any
+
+from redbatch.common.config import Settings
+from redbatch.common.redis_io import connect
+from redbatch.gpu_worker.batcher import LatencyEstimator
+from redbatch.gpu_worker.events import Channels, Control
+from redbatch.gpu_worker.heartbeat import Heartbeat
+from redbatch.gpu_worker.loop import MAX_IDLE_WAIT_S, MainLoop
+from redbatch.gpu_worker.metrics import Health, MetricsServer, WorkerMetrics
+from redbatch.gpu_worker.sampler import Sampler
+from redbatch.gpu_worker.startup import Parts, build
+from redbatch.gpu_worker.threads import Reader, collect_batches, submit_batches, write_answers
+
+logger = logging.getLogger(__name__)
+
+#: How long teardown waits for each helper thread after a graceful stop, s.
+THREAD_JOIN_S = 10.0
+
+
+class Worker:
+    """Serves one model from its Redis streams until stopped (or drained, in burst mode).
+    Built before anything starts, so that a signal can stop it from the first moment."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.control = Control(Health())
+        self.channels = Channels()
+        self.latency = LatencyEstimator()
+        self.metrics = WorkerMetrics(settings.model.served_name, settings.batch.max_batch_size)
+        self._metrics_server = MetricsServer(self.metrics, self.control.health)
+
+    @property
+    def device_failed(self) -> bool:
+        """The device broke: the worker command exits with code 3 for a restart."""
+        return self.control.device_failed
+
+    def stop(self) -> None:
+        self.control.stop()
+
+    def abort(self) -> None:
+        self.control.abort()
+
+    def run(self) -> None:
+        """Start, serve until stopped, and always tear down (NOTE [ Worker shutdown ])."""
+        s = self.settings
+        logger.info("starting worker %s for model %s: %r", s.consumer,
+                    s.model.served_name, s)
+        with ExitStack() as stack:
+            stack.callback(logger.info, "worker %s stopped", s.consumer)
+            metrics_on = bool(s.metrics_port) and self._start_metrics(stack)
+            parts = build(s, self.latency, self.metrics, self.control.health,
+                          self.channels.events.put, self.control.stopping, stack)
+            self.settings = parts.settings
+            loop = MainLoop(parts, self.control, self.channels, self.metrics, self.latency)
+            self._start_threads(parts, stack)
+            self._start_heartbeat(parts, loop, metrics_on, stack)
+            stack.callback(self.control.stopping.set)  # first: every thread sees it
+            loop.run()
+
+    def _start_metrics(self, stack: ExitStack) -> bool:
+        """First, so that /healthz answers while the model loads."""
+        s = self.settings
+        stack.callback(self._metrics_server.close)
+        return self._metrics_server.start(s.metrics_host, s.metrics_port)
+
+    def _start_threads(self, parts: Parts, stack: ExitStack) -> None:
+        s, ch, stop = parts.settings, self.channels, self.control.stopping
+        reader = Reader(parts.intake, parts.capacity, self.metrics, self.control.health,
+                        ch.events.put)
+        sampler = Sampler(connect(s.redis), parts.intake.keys, self.metrics,
+                          self.control.health, str(parts.runner.device))
+        threads: list[tuple[str, Callable[..., None], tuple[Any, ...]]] = [
+            ("intake", reader.run, (stop, s.batch.max_inflight, s.block_ms, MAX_IDLE_WAIT_S)),
+            ("model", submit_batches,
+             (parts.runner, parts.intake.reclaimer, ch.batches, ch.collecting)),
+            ("collect", collect_batches, (parts.runner, ch.collecting, ch.events.put)),
+            ("writer", write_answers, (parts.writer, ch.outgoing, ch.events.put)),
+            ("sampler", sampler.run, (stop,))]
+        started: list[threading.Thread] = []
+        stack.callback(self._stop_threads, started)
+        for name, target, args in threads:
+            thread = threading.Thread(target=target, args=args, name=f"redbatch-{name}",
+                                      daemon=True)
+            thread.start()
+            started.append(thread)
+
+    def _stop_threads(self, threads: list[threading.Thread]) -> None:
+        self.channels.batches.put(None)
+        self.channels.outgoing.put(None)
+        for thread in threads:
+            thread.join(timeout=0 if self.control.aborting.is_set() else THREAD_JOIN_S)
+
+    def _start_heartbeat(self, parts: Parts, loop: MainLoop, metrics_on: bool,
+                         stack: ExitStack) -> None:
+        """Jobs holding a slot are the ones read and not yet answered (capacity also counts
+        the permits intake holds while it waits for jobs). A len() read from the heartbeat
+        thread; only the main loop changes it."""
+        s = parts.settings
+        heartbeat = Heartbeat.for_worker(
+            connect(s.redis), parts.intake.keys, s.consumer, str(parts.runner.device),
+            s.batch.max_batch_size, lambda: loop.allocator.in_use,
+            self._metrics_server.port if metrics_on else None, health=self.control.health)
+        heartbeat.start()
+        stack.callback(heartbeat.stop)

@@ -1,0 +1,182 @@
+"""How each face runs the steps of the client's logic (``calls.py``): blocking for
+:class:`~redbatch.producer.client.Client`, awaited for
+:class:`~redbatch.producer.client.AsyncClient`. A runner owns no logic: it sends each
+step's calls through its Redis client, and throws the Redis errors they raise back into
+the steps, which decide what they mean. The inboxes here are where a face's waits receive
+what the reply reader hands them (the replies of ``Receive`` steps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+from typing import Any, TypeVar
+
+import redis
+import redis.asyncio as aioredis
+from redbatch.common.protocol import ADMIT_SCRIPT
+from redbatch.producer.calls import Admit, Command, Outcome, Pause, Pipelined, Receive, Step, Steps
+
+T = TypeVar("T")
+
+Received = tuple[str, Outcome] | None
+
+
+class SyncInbox:
+    """The inbox of one blocking wait; the reader thread delivers, the waiter receives."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[str, Outcome]] = queue.SimpleQueue()
+
+    def deliver(self, request_id: str, outcome: Outcome) -> None:
+        self._queue.put((request_id, outcome))
+
+    def receive(self, due: float) -> Received:
+        """The next outcome, or None once ``due`` (monotonic s) has passed."""
+        try:
+            return self._queue.get(timeout=max(0.0, due - time.monotonic()))
+        except queue.Empty:
+            return None
+
+
+class AsyncInbox:
+    """The inbox of one asyncio wait; the reader task (same loop) delivers."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[tuple[str, Outcome]] = asyncio.Queue()
+
+    def deliver(self, request_id: str, outcome: Outcome) -> None:
+        self._queue.put_nowait((request_id, outcome))
+
+    async def receive(self, due: float) -> Received:
+        """The next outcome, or None once ``due`` (monotonic s) has passed."""
+        try:
+            return await asyncio.wait_for(self._queue.get(), max(0.0, due - time.monotonic()))
+        except TimeoutError:
+            return None
+
+
+
+class BlockingRunner:
+    """Runs steps blocking, through ``client`` (its pool serves every thread)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.redis = client
+        self._admit = client.register_script(ADMIT_SCRIPT)
+
+    def run(self, steps: Steps[T]) -> T:
+        """Drive ``steps`` to their end, running each step blocking; returns their value.
+        A Redis error a step raises is thrown into ``steps``, which may handle it."""
+        reply: Any = None
+        error: redis.RedisError | None = None
+        while True:
+            try:
+                step = steps.send(reply) if error is None else steps.throw(error)
+            except StopIteration as done:
+                value: T = done.value
+                return value
+            try:
+                reply, error = self._step(step), None
+            except redis.RedisError as e:
+                reply, error = None, e
+
+    def _step(self, step: Step) -> Any:
+        """Run one step; returns its reply."""
+        if isinstance(step, Pause):
+            time.sleep(step.seconds)
+            return None
+        if isinstance(step, Receive):
+            assert isinstance(step.inbox, SyncInbox)
+            return step.inbox.receive(step.due)
+        if isinstance(step, Pipelined):
+            pipe = self.redis.pipeline(transaction=False)
+            for call in step.calls:
+                self._send(call, pipe)
+            return pipe.execute(raise_on_error=not step.errors_as_replies)
+        if isinstance(step, Command) and step.due is not None:
+            return self._call_by(step.due, *step.args)
+        return self._send(step, self.redis)
+
+    def _send(self, call: Command | Admit, client: redis.Redis) -> Any:
+        """Send ``call`` through ``client``, or queue it there when it is a pipeline."""
+        if isinstance(call, Admit):
+            return self._admit(call.keys, call.args, client=client)
+        return client.execute_command(*call.args)  # type: ignore[no-untyped-call]  # redis-py
+
+    def _call_by(self, by: float, *args: Any) -> Any:
+        """Run one command on a pooled connection; its reply is due by ``by`` (monotonic s).
+
+        Raises redis.TimeoutError when it is late, after dropping the connection so that a
+        late reply never meets another command; other Redis errors as they come."""
+        pool = self.redis.connection_pool
+        conn = pool.get_connection()
+        try:
+            # No health check: its PING would wait the socket timeout, past ``by``, on a
+            # hung Redis; a dead connection fails this command, which the caller retries.
+            conn.send_command(*args, check_health=False)  # type: ignore[no-untyped-call]
+            if not conn.can_read(timeout=max(0.0, by - time.monotonic())):
+                conn.disconnect()  # type: ignore[no-untyped-call]
+                raise redis.TimeoutError(f"no reply to {args[0]} in time")
+            return conn.read_response()
+        finally:
+            pool.release(conn)
+
+
+class AsyncRunner:
+    """Runs steps awaited, through ``client``."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.redis = client
+        self._admit = client.register_script(ADMIT_SCRIPT)
+
+    async def run(self, steps: Steps[T]) -> T:
+        """As :meth:`BlockingRunner.run`, awaiting each step."""
+        reply: Any = None
+        error: redis.RedisError | None = None
+        while True:
+            try:
+                step = steps.send(reply) if error is None else steps.throw(error)
+            except StopIteration as done:
+                value: T = done.value
+                return value
+            try:
+                reply, error = await self._step(step), None
+            except redis.RedisError as e:
+                reply, error = None, e
+
+    async def _step(self, step: Step) -> Any:
+        """Run one step; returns its reply."""
+        if isinstance(step, Pause):
+            await asyncio.sleep(step.seconds)
+            return None
+        if isinstance(step, Receive):
+            assert isinstance(step.inbox, AsyncInbox)
+            return await step.inbox.receive(step.due)
+        if isinstance(step, Pipelined):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for call in step.calls:
+                    await self._queue(call, pipe)
+                return await pipe.execute(raise_on_error=not step.errors_as_replies)
+        if isinstance(step, Admit):
+            return await self._admit(step.keys, step.args)
+        return await self._call_by(step.due, *step.args)
+
+    async def _queue(self, call: Command | Admit, pipe: aioredis.client.Pipeline) -> None:
+        """Queue ``call`` on ``pipe``."""
+        if isinstance(call, Admit):
+            await self._admit(call.keys, call.args, client=pipe)
+        else:
+            pipe.execute_command(*call.args)
+
+    async def _call_by(self, by: float | None, *args: Any) -> Any:
+        """One command whose reply is due by ``by`` (monotonic s; None: the socket timeout
+        bounds it); raises redis.TimeoutError when it is late (redis-py drops a connection
+        whose command was cancelled)."""
+        timeout = None if by is None else max(0.0, by - time.monotonic())
+        try:
+            return await asyncio.wait_for(
+                self.redis.execute_command(*args),  # type: ignore[no-untyped-call]
+                timeout)
+        except TimeoutError as e:
+            raise redis.TimeoutError(f"no reply to {args[0]} in time") from e

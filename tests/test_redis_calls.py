@@ -1,0 +1,116 @@
+"""How many commands Redis runs per job, counted by Redis itself (``INFO commandstats``,
+the commands the admission script calls included), end to end: submitting, the worker's
+read, write and acknowledgement, and the client's wait. A real worker (null model) and
+real clients, small real JPEGs; the jobs are queued before the worker starts, so they
+move in groups as they do under load.
+
+The budgets (BENCHMARKS.md "Redis calls per job"): on the reply-list path each job costs
+its XADD, its owner SET and its result SET, and everything else is paid per group; on the
+per-request path a job also costs its done token (RPUSH and PEXPIRE: a list cannot be
+created with a TTL) and its client's BLPOP and GET.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+
+import redis
+from conftest import WorkerFactory
+from PIL import Image
+from redbatch.common.protocol import Keys
+from redbatch.producer.client import Client
+
+NULL = "null"
+N_JOBS = 300
+#: Batches as a GPU runs them (a calibrated profile picks 64 or more there); the default,
+#: 8, suits this CPU's real models.
+GPU_LIKE = ("--max-batch-size", "64", "--max-inflight", "256")
+
+
+def _small_jpeg() -> bytes:
+    """A real JPEG small enough that decoding it costs about what redbatch's own work does,
+    as a tensor or a thumbnail would: the groups then form as they do on a GPU."""
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 120, 40)).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+PHOTO = _small_jpeg()
+
+
+def _calls(r: redis.Redis) -> dict[str, int]:
+    """Calls per command since the last CONFIG RESETSTAT, as Redis counts them."""
+    return {name.removeprefix("cmdstat_"): stat["calls"]
+            for name, stat in r.info("commandstats").items()}
+
+
+def _per_job(calls: dict[str, int], *names: str) -> float:
+    return sum(calls.get(name, 0) for name in names) / N_JOBS
+
+
+def _total(calls: dict[str, int]) -> int:
+    # CONFIG (RESETSTAT) and INFO are the test's own; HELLO and CLIENT SETINFO come once
+    # per connection (the per-request waiters open one each), not per job.
+    return sum(n for name, n in calls.items()
+               if not name.startswith(("config", "info", "hello", "client")))
+
+
+def test_the_reply_list_path_costs_at_most_four_calls_per_job(
+        redis_url: str, r: redis.Redis, start_worker: WorkerFactory) -> None:
+    """Client.submit_many + results: the client's jobs name its reply list."""
+    with Client(redis_url, model=NULL) as client:
+        client.submit_many([PHOTO], timeout_s=60)  # the admission script is loaded
+        r.config_resetstat()
+        ids = client.submit_many([PHOTO] * N_JOBS, timeout_s=120)
+        start_worker(*GPU_LIKE, model=NULL)
+        results = client.results(ids, timeout_s=120)
+        calls = _calls(r)
+    assert all(res.ok for res in results)
+    # What each job pays alone: its entry, its owner claim and its result.
+    assert calls.get("xadd", 0) == N_JOBS, calls
+    assert calls.get("set", 0) <= 2 * N_JOBS + 20, calls  # + the fleet status keys
+    assert "exists" not in calls and "rpush" in calls, calls
+    # Paid per group (a write, a pop, a submission), not per job.
+    assert _per_job(calls, "pexpire", "rpush", "get", "evalsha", "hget") < 0.5, calls
+    assert _total(calls) <= 4 * N_JOBS, calls
+
+
+def test_the_per_request_path_costs_a_token_and_one_wait_per_job_on_top(
+        redis_url: str, r: redis.Redis, start_worker: WorkerFactory) -> None:
+    """Jobs that name no reply list, each awaited as PROTOCOL.md says by a waiter of its
+    own (GET, BLPOP of its done list, GET): the done token (RPUSH, PEXPIRE) and the wait
+    come on top of the reply-list path's three calls."""
+    keys = Keys(NULL)
+    with Client(redis_url, model=NULL) as client:
+        client.submit_many([PHOTO], timeout_s=60)
+        r.config_resetstat()
+        ids = client.submit_jobs([client.job(PHOTO, timeout_s=120) for _ in range(N_JOBS)])
+    pool = redis.ConnectionPool.from_url(redis_url, max_connections=N_JOBS + 10)
+    waiter = redis.Redis(connection_pool=pool)
+    got: dict[str, object] = {}
+
+    def wait(rid: str) -> None:
+        if waiter.get(keys.result(rid)) is None:
+            waiter.blpop([keys.done(rid)], timeout=60)
+        got[rid] = waiter.get(keys.result(rid))
+
+    threads = [threading.Thread(target=wait, args=(rid,)) for rid in ids]
+    for thread in threads:
+        thread.start()
+    start_worker(*GPU_LIKE, model=NULL)
+    for thread in threads:
+        thread.join(90)
+    pool.disconnect()
+    calls = _calls(r)
+    assert len(got) == N_JOBS and all(got.values())
+    assert calls.get("xadd", 0) == N_JOBS, calls
+    # A token each (RPUSH, PEXPIRE); the warm-up job's reply list and the fleet's keys
+    # add a few.
+    assert N_JOBS <= calls.get("rpush", 0) <= N_JOBS + 5, calls
+    assert N_JOBS <= calls.get("pexpire", 0) <= N_JOBS + 10, calls
+    assert calls.get("blpop", 0) <= N_JOBS and calls.get("get", 0) <= 2 * N_JOBS, calls
+    # Two admission calls, three worker writes, up to three waiting calls, and the groups.
+    assert _total(calls) <= 9 * N_JOBS, calls
+    # Without the waiters' own calls it is five per job and the groups' share.
+    assert _total(calls) - calls.get("get", 0) - calls.get("blpop", 0) <= 6 * N_JOBS, calls
