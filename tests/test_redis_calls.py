@@ -67,6 +67,7 @@ def test_the_reply_list_path_costs_at_most_four_calls_per_job(
         results = client.results(ids, timeout_s=120)
         calls = _calls(r)
     assert all(res.ok for res in results)
+    print(f"\nreply-list path: {_total(calls) / N_JOBS:.2f} calls per job: {calls}")
     # What each job pays alone: its entry, its owner claim and its result.
     assert calls.get("xadd", 0) == N_JOBS, calls
     assert calls.get("set", 0) <= 2 * N_JOBS + 20, calls  # + the fleet status keys
@@ -104,6 +105,9 @@ def test_the_per_request_path_costs_a_token_and_one_wait_per_job_on_top(
     pool.disconnect()
     calls = _calls(r)
     assert len(got) == N_JOBS and all(got.values())
+    waits = calls.get("get", 0) + calls.get("blpop", 0)
+    print(f"\nper-request path: {_total(calls) / N_JOBS:.2f} calls per job, "
+          f"{(_total(calls) - waits) / N_JOBS:.2f} without the waiters' own: {calls}")
     assert calls.get("xadd", 0) == N_JOBS, calls
     # A token each (RPUSH, PEXPIRE); the warm-up job's reply list and the fleet's keys
     # add a few.
