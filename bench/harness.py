@@ -458,6 +458,8 @@ class OpenRun:
     drain_s: float = 0.0
     #: Largest lag of the submitter behind the schedule, ms (client overload check).
     max_submit_lag_ms: float = 0.0
+    #: What ended the submitter thread early, if anything (raised by open_loop).
+    submit_error: BaseException | None = None
 
     @property
     def achieved(self) -> float:
@@ -497,11 +499,15 @@ def open_loop(url: str, target: Target, rate: float, seconds: float, seed: int,
         submitter.start()
         deadline = t0 + seconds + drain_timeout_s
         while len(seen) < len(schedule) and time.perf_counter() < deadline:
+            if run.submit_error is not None:
+                raise RuntimeError("the submitter failed") from run.submit_error
             seen.extend(collector.poll(0.5))
         submitter.join()
         run.drain_s = max(0.0, (seen[-1].seen_at if seen else t0) - (t0 + seconds))
     finally:
         collector.close()
+    if run.submit_error is not None:
+        raise RuntimeError("the submitter failed") from run.submit_error
     if len(seen) < len(schedule):
         raise TimeoutError(f"{len(schedule) - len(seen)} jobs unanswered after the drain")
     for f in seen:
@@ -514,6 +520,14 @@ def open_loop(url: str, target: Target, rate: float, seconds: float, seed: int,
 
 def _submit_on_schedule(target: Target, schedule: list[float], scheduled: dict[str, float],
                         run: OpenRun) -> None:
+    try:
+        _submit_all(target, schedule, scheduled, run)
+    except BaseException as e:  # handed to open_loop, which raises it with its cause
+        run.submit_error = e
+
+
+def _submit_all(target: Target, schedule: list[float], scheduled: dict[str, float],
+                run: OpenRun) -> None:
     t0 = time.perf_counter()
     i = 0
     while i < len(schedule):
