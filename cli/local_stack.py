@@ -17,10 +17,11 @@ import sys
 import time
 from collections.abc import Mapping
 from types import TracebackType
+from typing import cast
 
 import redis
 from redbatch.cli.redis_server import RedisServer
-from redbatch.common.protocol import GROUP, Keys, Lane
+from redbatch.common.protocol import GROUP, Keys, Lane, ProtocolError, WorkerRecord
 from redbatch.common.redis_io import connect
 
 logger = logging.getLogger(__name__)
@@ -44,20 +45,35 @@ def spawn_worker(redis_url: str, args: list[str], env: Mapping[str, str] | None 
 
 
 def wait_worker_ready(redis_url: str, keys: Keys, proc: subprocess.Popen[bytes],
-                      timeout_s: float = 120.0) -> None:
-    """Block until ``proc`` has joined the consumer group (it reads only once ready)."""
+                      timeout_s: float = 120.0, *, consumers_before: int = 0) -> None:
+    """Block until ``proc`` reads jobs: the group has more consumers than
+    ``consumers_before`` (a worker joins it with its first read, once ready), or ``proc``'s
+    heartbeat is there (a worker restarted under a consumer name the group already has).
+    Give ``consumers_before`` (:func:`count_consumers` before starting ``proc``) when other
+    workers of the model may be running: their consumers must not pass for this one."""
     r = connect(redis_url)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"worker exited with code {proc.returncode} before ready")
-            if count_consumers(r, keys) > 0:
+            if count_consumers(r, keys) > consumers_before or _beats(r, keys, proc.pid):
                 return
             time.sleep(0.1)
     finally:
         r.close()
     raise TimeoutError(f"worker not ready after {timeout_s}s")
+
+
+def _beats(r: redis.Redis, keys: Keys, pid: int) -> bool:
+    """Whether a heartbeat record of the model's workers names process ``pid``."""
+    try:
+        names = [n.decode() for n in cast(list[bytes], r.zrange(keys.workers(), 0, -1))]
+        records = cast(list[bytes | None], r.mget([keys.worker(n) for n in names])) \
+            if names else []
+        return any(WorkerRecord.decode(data).pid == pid for data in records if data)
+    except (redis.RedisError, ProtocolError):
+        return False
 
 
 def stop_worker(proc: subprocess.Popen[bytes], timeout_s: float = WORKER_STOP_TIMEOUT_S) -> int:

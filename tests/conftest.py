@@ -12,7 +12,12 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
-from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
+from redbatch.cli.local_stack import (
+    count_consumers,
+    spawn_worker,
+    stop_worker,
+    wait_worker_ready,
+)
 from redbatch.cli.redis_server import RedisServer, RedisServerError, find_redis_server
 from redbatch.common.config import model_name_from_spec
 from redbatch.common.protocol import Keys
@@ -93,15 +98,17 @@ def start_worker(redis_url: str, r: redis.Redis,
         # No calibration profile (none measured, none loaded) unless the test asks for one:
         # fast starts, and the defaults every other test expects.
         calibrate = [] if "--calibrate" in args else ["--calibrate", "off"]
+        name = (args[args.index("--model-name") + 1] if "--model-name" in args
+                else model_name_from_spec(model)) if wait else ""
+        # Another worker of the model may have joined the group already: wait for this one.
+        before = count_consumers(r, Keys(name)) if wait else 0
         with open(log, "wb") as out:
             proc = spawn_worker(redis_url, ["--model", model, "--max-wait-ms", "5", *metrics,
                                             *calibrate, *args],
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
         procs.append((proc, log))
         if wait:
-            name = args[args.index("--model-name") + 1] if "--model-name" in args \
-                else model_name_from_spec(model)
-            wait_worker_ready(redis_url, Keys(name), proc)
+            wait_worker_ready(redis_url, Keys(name), proc, consumers_before=before)
         return proc
 
     yield start
