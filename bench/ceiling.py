@@ -67,7 +67,7 @@ from pathlib import Path
 
 import psutil
 import redis
-from cpu_budget import py_spy, thread_names
+from cpu_budget import cpu_of, py_spy, thread_names
 from harness import (
     OUT,
     Collector,
@@ -188,14 +188,6 @@ class Producers:
 # ---------------------------------------------------------------------------- measuring
 
 
-def cpu_s(proc: psutil.Process) -> float:
-    try:
-        t = proc.cpu_times()
-        return float(t.user + t.system)
-    except psutil.Error:
-        return 0.0
-
-
 @dataclass(slots=True)
 class Snapshot:
     """Counters at one moment: wall clock, jobs answered, Redis's commands, CPU seconds."""
@@ -212,10 +204,10 @@ def snapshot(r: redis.Redis, producers: Producers, worker: psutil.Process,
              server: psutil.Process) -> Snapshot:
     jobs, failed = producers.answered()
     snap = Snapshot(time.perf_counter(), jobs, failed, command_stats(r))
-    snap.cpu["redis-server"] = cpu_s(server)
-    snap.cpu["producers"] = sum(cpu_s(p) for p in producers.psutil_procs())
+    snap.cpu["redis-server"] = cpu_of(server)
+    snap.cpu["producers"] = sum(cpu_of(p) for p in producers.psutil_procs())
     try:
-        snap.cpu["pool"] = sum(cpu_s(p) for p in worker.children(recursive=True))
+        snap.cpu["pool"] = sum(cpu_of(p) for p in worker.children(recursive=True))
         for t in worker.threads():
             snap.cpu[f"thread:{t.id}"] = t.user_time + t.system_time
     except psutil.Error:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
@@ -58,6 +58,15 @@ class AsyncInbox:
 
 
 
+def _advance(steps: Steps[Any], reply: Any, error: redis.RedisError | None) -> tuple[bool, Any]:
+    """Hand ``steps`` the last step's reply, or throw its error into them: ``(True, value)``
+    when they ended, else ``(False, next step)``. The drive of both runners."""
+    try:
+        return False, steps.send(reply) if error is None else steps.throw(error)
+    except StopIteration as done:
+        return True, done.value
+
+
 class BlockingRunner:
     """Runs steps blocking, through ``client`` (its pool serves every thread)."""
 
@@ -71,13 +80,11 @@ class BlockingRunner:
         reply: Any = None
         error: redis.RedisError | None = None
         while True:
+            finished, item = _advance(steps, reply, error)
+            if finished:
+                return cast(T, item)
             try:
-                step = steps.send(reply) if error is None else steps.throw(error)
-            except StopIteration as done:
-                value: T = done.value
-                return value
-            try:
-                reply, error = self._step(step), None
+                reply, error = self._step(item), None
             except redis.RedisError as e:
                 reply, error = None, e
 
@@ -135,13 +142,11 @@ class AsyncRunner:
         reply: Any = None
         error: redis.RedisError | None = None
         while True:
+            finished, item = _advance(steps, reply, error)
+            if finished:
+                return cast(T, item)
             try:
-                step = steps.send(reply) if error is None else steps.throw(error)
-            except StopIteration as done:
-                value: T = done.value
-                return value
-            try:
-                reply, error = await self._step(step), None
+                reply, error = await self._step(item), None
             except redis.RedisError as e:
                 reply, error = None, e
 
