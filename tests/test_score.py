@@ -152,8 +152,10 @@ class Tracked:
             return
         for child in children:
             try:
-                self.seen.setdefault(child.pid, (child.create_time(),
-                                                 " ".join(child.cmdline())))
+                created, known = self.seen.get(child.pid, (child.create_time(), ""))
+                # The worker re-executes itself under its pid (malloc tuning): a command line
+                # read mid-exec is empty, so keep the last one that was not.
+                self.seen[child.pid] = (created, " ".join(child.cmdline()) or known)
             except psutil.NoSuchProcess:
                 continue
             self.shm |= _shm_mapped_by(child.pid)
