@@ -1,10 +1,13 @@
 """Waiting for one result, written once for both clients as a generator of steps.
 
-The worker writes the result key and, for a job that names no reply list, pushes one
-token onto the request's "done" list. The wait GETs the result key; while it is absent it
-BLPOPs the done list for a slice (FIRST_SLICE_S, doubling up to WAIT_SLICE_S), then GETs
-again. A job that named a reply list has no done list: the GET after the slice finds its
-result, so the slices start short. The result key is durable (until its TTL), so a
+The worker writes the result key and, for a job that names no reply list, pushes a copy
+of the result envelope onto the request's "done" list. The wait GETs the result key (these
+are ids the client did not submit itself, so their job may have named a reply list and have
+no done list); while it is absent it BLPOPs the done list for a slice (FIRST_SLICE_S,
+doubling up to WAIT_SLICE_S). A popped envelope is the result; anything else popped (the
+token ``1`` of older workers), or a slice that ends empty, means GET again. A job that named
+a reply list has no done list: the GET after the slice finds its result, so the slices
+start short. The result key is durable (until its TTL), so a
 connection that drops loses nothing: the wait pauses, reconnects and GETs again.
 
 The wait honours its timeout whatever Redis does: every call has a due time (see
@@ -62,7 +65,9 @@ def wait_for_result(request_id: str, keys: Keys, timeout_s: float,
             if data is not None:
                 return wait.decode(data)
             if wait.blpop:
-                yield from _block(wait)
+                popped = yield from _block(wait)
+                if popped is not None and (result := wait.token(popped)) is not None:
+                    return result
             else:
                 yield Pause(wait.pause_s(POLL_S))
         except (redis.ConnectionError, redis.TimeoutError):
@@ -81,13 +86,17 @@ def _get(wait: _Wait) -> Steps[object]:
     return data
 
 
-def _block(wait: _Wait) -> Steps[None]:
-    """BLPOP the done key until the next slice ends; polling from now on if it fails."""
+def _block(wait: _Wait) -> Steps[object]:
+    """BLPOP the done key until the next slice ends: the element popped, or None (the slice
+    ended empty, or the pop failed and the wait polls from now on)."""
     seconds = wait.pause_s(wait.next_slice_s())
     try:
-        yield Command(("BLPOP", wait.done_key, round(seconds, 3)), wait.reply_by(seconds))
+        reply = yield Command(("BLPOP", wait.done_key, round(seconds, 3)),
+                              wait.reply_by(seconds))
     except redis.ResponseError as e:
         wait.no_blpop(e)
+        return None
+    return reply[1] if isinstance(reply, (list, tuple)) and len(reply) == 2 else None
 
 
 def reply_by(deadline: float, blocking_s: float = 0.0) -> float:
@@ -159,6 +168,17 @@ class _Wait:
     def decode(self, data: object) -> ResultEnvelope:
         """The result envelope a GET returned; raises ResultUnreadable."""
         return decode_result(self.request_id, self.result_key, data)
+
+    def token(self, popped: object) -> ResultEnvelope | None:
+        """The result a popped done token carries; None for anything else (the token ``1``
+        of older workers, a planted element), which sends the wait back to the result key."""
+        if not isinstance(popped, bytes) or len(popped) < 2:
+            return None
+        try:
+            result = ResultEnvelope.decode(popped)
+        except ProtocolError:
+            return None
+        return result if result.request_id == self.request_id else None
 
     def unreadable(self, e: redis.ResponseError) -> ResultUnreadable | None:
         """ResultUnreadable when a GET's error reply says the result key holds another

@@ -561,12 +561,20 @@ def test_redis_puts_err_before_a_script_error_without_a_space(resp: Resp) -> Non
 
 
 def wait(resp: Resp, rid: str, give_up_s: float = 60) -> dict[str, Any]:
-    """The page's wait: GET; else BLPOP the done list a few whole seconds; GET again."""
+    """The page's wait for a job of its own that names no reply list: BLPOP the done list a
+    few whole seconds, which pops the result envelope (the very bytes of the result key);
+    GET when a pop ends empty."""
     give_up = time.monotonic() + give_up_s
-    while (raw := resp(b"GET", key("result", rid))) is None:
+    while True:
         assert time.monotonic() < give_up, f"no result for {rid}"
         reply = resp(b"BLPOP", key("done", rid), 2)
         assert not isinstance(reply, Error), reply
+        if reply is not None:
+            raw = reply[1]
+            assert raw == resp(b"GET", key("result", rid)), "the token is the result"
+            break
+        if (raw := resp(b"GET", key("result", rid))) is not None:
+            break
     result: dict[str, Any] = msgpack.unpackb(raw, raw=False)
     assert set(result) == {row[0] for row in _page_table("### Result envelope")}
     assert result["v"] == 1 and result["id"] == rid and result["model"] == TEST_MODEL

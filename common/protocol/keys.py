@@ -21,8 +21,6 @@ FIELD_ADMITTED = "adm"
 """Stream field the admission script adds (value ``1``): it already made the entry its
 request id's owner, so workers need not claim the id again when they read it."""
 
-DONE_TOKEN = b"1"
-
 #: Fields of a dead-letter entry (besides FIELD_REQUEST_ID and FIELD_JOB, copied as they were).
 DLQ_SOURCE = "source"
 DLQ_ENTRY = "entry"

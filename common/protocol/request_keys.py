@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import redis
 from redbatch.common.protocol.admission import OWNER_TTL_PAD_MS, owner_ttl_ms
-from redbatch.common.protocol.keys import DONE_TOKEN, Keys
+from redbatch.common.protocol.keys import Keys
 
 
 class OwnerKeys:
@@ -71,9 +71,10 @@ class OwnerKeys:
 
 class AnswerKeys:
     """The answer to one model's request ids: the result key (``Keys.result``, the msgpack
-    ResultEnvelope) and the done list (``Keys.done``, one token once the result is written,
-    for clients to BLPOP). Written once by a worker (:meth:`write`); read by clients; deleted
-    by a client that read it, with the id's owner (:meth:`OwnerKeys.free`), or expired."""
+    ResultEnvelope) and the done list (``Keys.done``, a copy of that envelope pushed once
+    the result is written, for one client to BLPOP: its wait is then one call). Written once
+    by a worker (:meth:`write`); read by clients; deleted by a client that read it, with the
+    id's owner (:meth:`OwnerKeys.free`), or expired."""
 
     def __init__(self, keys: Keys) -> None:
         self.keys = keys
@@ -84,19 +85,21 @@ class AnswerKeys:
 
     def write(self, pipe: redis.Redis, request_id: str, encoded: bytes, ttl_ms: int,
               token: bool = True) -> list[str]:
-        """Queue the result (SET NX GET PX) and, with ``token``, its wake-up token (RPUSH,
-        PEXPIRE), all living ``ttl_ms``. A job that names a reply list gets no token: its
-        client waits on that list (PROTOCOL.md "Waiting for the result"). Returns
-        ``"<command> <key>"`` per command queued, in order.
+        """Queue the result (SET NX GET PX) and, with ``token``, its done token (RPUSH of the
+        same envelope, PEXPIRE), all living ``ttl_ms``. A job that names a reply list gets
+        no token: its client waits on that list (PROTOCOL.md "Waiting for the result").
+        Returns ``"<command> <key>"`` per command queued, in order.
 
         NX: a job run twice (taken over from a stuck worker) keeps its first result, so a
         late write never changes what a client already read. GET makes a key of another
-        type planted there fail (WRONGTYPE) instead of passing for a first result."""
+        type planted there fail (WRONGTYPE) instead of passing for a first result. The token
+        of a second run carries that run's envelope (a transaction cannot make the push
+        depend on the SET); both answer the same entry."""
         result, done = self.names(request_id)
         pipe.set(result, encoded, px=ttl_ms, nx=True, get=True)
         if not token:
             return [f"SET {result}"]
-        pipe.rpush(done, DONE_TOKEN)
+        pipe.rpush(done, encoded)
         pipe.pexpire(done, ttl_ms)
         return [f"SET {result}", f"RPUSH {done}", f"PEXPIRE {done}"]
 

@@ -108,14 +108,26 @@ if (admit) {
   await client.sendCommand(['XADD', streamKey, '*', 'rid', rid, 'job', job]);
 }
 
-// Wait: GET; else BLPOP the done key for a few seconds; GET again; until the give-up time.
+// Wait (our own job, no reply list): BLPOP the done key for a few seconds; the element it
+// pops is the result envelope itself. When a pop ends empty, or pops something that is not
+// an envelope of this id (the token `1` of older workers), GET the result key. Until the
+// give-up time.
 const giveUpAt = Date.now() + WAIT_MS;
-let raw = await client.get(resultKey);
+const envelopeOf = (bytes) => {
+  try {
+    const value = decode(bytes);
+    return value !== null && typeof value === 'object' && value.id === rid ? bytes : null;
+  } catch {
+    return null;
+  }
+};
+let raw = null;
 while (raw === null && Date.now() < giveUpAt) {
   // Whole seconds: fractional BLPOP timeouts need Redis >= 6.
   const seconds = Math.max(1, Math.min(BLPOP_SECONDS, Math.ceil((giveUpAt - Date.now()) / 1000)));
-  await client.blPop(doneKey, seconds);
-  raw = await client.get(resultKey);
+  const popped = await client.blPop(doneKey, seconds);
+  raw = popped === null ? null : envelopeOf(popped.element);
+  if (raw === null) raw = await client.get(resultKey);
 }
 await base.close();
 
