@@ -30,8 +30,8 @@ own code, unchanged.
    * **batcher**: ``Batcher.add`` of the 64 Jobs, then ``pop_expired``, ``next_wakeup``,
      ``pop_ready`` (the clock injected: a full batch is due) and ``run_size``, as one main
      loop step does, with a seeded LatencyEstimator as its run-time model (max batch 64);
-   * **answers**: ``ResultWriter.ok`` for each Job with an ImageNet-style top-5 output
-     (builds the ResultEnvelope and its msgpack, and the Answer);
+   * **answers**: ``ResultWriter.ran`` on the 64 Jobs with ImageNet-style top-5 outputs
+     (the result envelopes' msgpack, and the Answers);
    * **queue**: the write transaction's commands for the 64 answers, ``ResultWriter._queue``
      on a redis-py MULTI pipeline that is reset instead of executed (SET NX GET PX per
      result, one RPUSH and PEXPIRE for the reply list, the recent list, XACK, XDEL);
@@ -70,6 +70,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import msgpack
@@ -255,6 +256,8 @@ class HotPath:
             fields[FIELD_ADMITTED.encode()] = b"1"
             self.entries.append((self.stream, (f"{int(self.now_ms)}-{i}".encode(), fields)))
         self.outputs = [top5_output(i) for i in range(GROUP)]
+        self.outcomes = [SimpleNamespace(output=o, error=None, message="") for o in self.outputs]
+        self.waits = [3.0] * GROUP
         latency = LatencyEstimator()
         latency.seed({1: 0.002, 8: 0.006, 64: 0.03})
         self.batcher: Batcher[Job] = Batcher(GROUP, 0.005, latency)
@@ -267,8 +270,9 @@ class HotPath:
         """Intake._read's loop over the entries, without its Redis calls."""
         jobs: list[Job] = []
         bad: list[BadEntry] = []
+        now_s = time.monotonic()
         for stream, entry in self.entries:
-            item = self.intake._decode(stream, entry, self.now_ms, 1)
+            item = self.intake._decode(stream, entry, self.now_ms, now_s, 1)
             if isinstance(item, Job):
                 item.taken_over = False
                 item.deliveries = 1
@@ -291,8 +295,8 @@ class HotPath:
         return batch
 
     def answers_part(self, jobs: list[Job]) -> list[Answer]:
-        return [self.writer.ok(job, output, GROUP, 12.5, 3.0)
-                for job, output in zip(jobs, self.outputs, strict=True)]
+        """The answers to one batch, as the main loop makes them (``ResultWriter.ran``)."""
+        return self.writer.ran(jobs, self.outcomes, self.waits, 12.5)
 
     def queue_part(self, answers: list[Answer]) -> None:
         self.pipe.multi()

@@ -1,7 +1,8 @@
 """Where the time goes: CPU milliseconds per job, by process and by worker thread, at saturation.
 
-    .venv/bin/python bench/cpu_budget.py [--model efficientnet_lite0|null] [--seconds 15]
-                                         [--window 64] [--record] [--worker-args "..."]
+    .venv/bin/python bench/cpu_budget.py [--model efficientnet_lite0|null|null_tensor]
+                                         [--seconds 15] [--window 64] [--record]
+                                         [--worker-args "..."]
 
 One private redis-server and one `redbatch worker` (as shipped, or --worker-args); a closed
 loop keeps --window jobs in flight (photos; tiny JPEGs for the null model). Over the steady
@@ -42,11 +43,10 @@ from harness import (
     closed_loop,
     fmt,
     machine_load,
-    photos,
+    payloads_for,
     plot,
     reexec_with_worker_malloc,
     start_worker,
-    tiny_jpegs,
     write_csv,
 )
 from redbatch.cli.redis_server import RedisServer
@@ -154,7 +154,7 @@ def top_functions(path: Path, n: int = 12) -> tuple[list[tuple[str, float]],
 
 
 def measure(args: argparse.Namespace, name: str) -> tuple[dict[str, float], float, str]:
-    payloads = tiny_jpegs(300) if args.model == "null" else photos()
+    payloads = payloads_for(args.model)
     with RedisServer() as server:
         worker = start_worker(server.url, name, ["--model", args.model,
                                                  *shlex.split(args.worker_args)],

@@ -25,6 +25,7 @@ import itertools
 import os
 import random
 import re
+import struct
 import subprocess
 import sys
 import threading
@@ -116,6 +117,21 @@ def tiny_jpegs(n: int, size: int = 32, seed: int = 1234) -> list[bytes]:
         img.save(buf, format="JPEG", quality=85)
         out.append(buf.getvalue())
     return out
+
+
+def tensors(n: int, seed: int = 1234) -> list[bytes]:
+    """``n`` payloads of the ``null_tensor`` model (four little-endian float32 values each):
+    nothing to decode, so the worker preprocesses them inline."""
+    rng = random.Random(seed)
+    return [struct.pack("<4f", *(rng.uniform(-1, 1) for _ in range(4))) for _ in range(n)]
+
+
+def payloads_for(model: str) -> list[bytes]:
+    """What the benches send a model: tensors to ``null_tensor``, tiny JPEGs to ``null``,
+    the sample photos to the others."""
+    if model == "null_tensor":
+        return tensors(300)
+    return tiny_jpegs(300) if model == "null" else photos()
 
 
 # ---------------------------------------------------------------------------- statistics

@@ -19,7 +19,7 @@ to Redis. Variants, each in a fresh process:
 
 1. **product**: the shipped code, as bench/compiled_hot_path.py runs it (its ``HotPath``
    parts, imported): **decode** is ``Intake._decode`` of the 64 entries (the intake part),
-   **answers** ``ResultWriter.ok`` per job, **transaction** ``ResultWriter._queue`` on a
+   **answers** ``ResultWriter.ran`` on the group, **transaction** ``ResultWriter._queue`` on a
    redis-py MULTI pipeline *plus* the packing that ``Pipeline.execute`` does before it sends
    (``Connection.pack_commands`` of MULTI, the queued commands and EXEC; redis-py packs with
    hiredis here). compiled_hot_path.py's queue part stops before the packing; both halves are
@@ -58,7 +58,7 @@ to Redis. Variants, each in a fresh process:
      product answers it ``internal``).
    * ``lean_transaction``: the RESP bytes of the whole MULTI/EXEC, written by hand into one
      list and joined once: per job ``SET result:<id> <envelope> NX GET PX ttl`` (and, for a
-     job with no reply list, ``RPUSH done:<id> 1`` and ``PEXPIRE``), per reply list one
+     job with no reply list, ``RPUSH done:<id> <envelope>`` and ``PEXPIRE``), per reply list one
      ``RPUSH`` of its ids and ``PEXPIRE``, the recent list's records (msgpack from a
      template: ``LPUSHX``, or ``LPUSH``, ``LTRIM``, ``PEXPIRE`` at its upkeep once a second
      as the product does), per stream ``XACK`` and ``XDEL`` of the entry ids.
@@ -244,8 +244,9 @@ class LeanConfig:
             + _resp_len(2) + b"PX" + CRLF + _resp_len(len(ttl)) + ttl + CRLF
         self.done_head = [_resp_array(3) + _resp_len(5) + b"RPUSH" + CRLF
                           + _resp_len(len(done_b) + n) + done_b for n in range(256)]
-        self.done_mid = CRLF + _resp_len(1) + b"1" + CRLF + _resp_array(3) + _resp_len(7) \
-            + b"PEXPIRE" + CRLF
+        # The done token is the envelope itself: RPUSH done:<id> <envelope>, then PEXPIRE.
+        self.done_mid = CRLF
+        self.done_expire = _resp_array(3) + _resp_len(7) + b"PEXPIRE" + CRLF
         self.done_prefix = done_b
         self.ttl_tail = _resp_len(len(ttl)) + ttl + CRLF
         self.ttl = ttl
@@ -437,6 +438,7 @@ def lean_transaction(g: LeanGroup, envs: list[bytes], totals: list[float], cfg: 
     set_head, set_tail = cfg.set_head, cfg.set_tail
     done_head, done_mid, done_prefix, ttl_tail = (cfg.done_head, cfg.done_mid, cfg.done_prefix,
                                                   cfg.ttl_tail)
+    done_expire = cfg.done_expire
     replies: dict[str, list[bytes]] = {}
     rids, reply_tos = g.rids, g.reply_tos
     n: int = len(rids)
@@ -444,13 +446,13 @@ def lean_transaction(g: LeanGroup, envs: list[bytes], totals: list[float], cfg: 
         rid = rids[i]
         env = envs[i]
         size: int = len(env)
-        out += (set_head[len(rid)], rid, CRLF, lens[size] if size < 4096 else _resp_len(size),
-                env, set_tail)
+        env_len = lens[size] if size < 4096 else _resp_len(size)
+        out += (set_head[len(rid)], rid, CRLF, env_len, env, set_tail)
         reply_to = reply_tos[i]
         if reply_to is None:
             key_len = lens[len(done_prefix) + len(rid)]
-            out += (done_head[len(rid)], rid, done_mid, key_len, done_prefix, rid, CRLF,
-                    ttl_tail)
+            out += (done_head[len(rid)], rid, done_mid, env_len, env, CRLF, done_expire,
+                    key_len, done_prefix, rid, CRLF, ttl_tail)
         else:
             ids = replies.get(reply_to)
             if ids is None:
@@ -779,7 +781,7 @@ def _check(core: ModuleType, path: HotPath) -> list[str]:
     g = core.lean_decode(bad, lean.cfg, path.now_ms, 1)
     rejected, spent, accepted = [], [], []
     for i, (stream, entry) in enumerate(bad):
-        item = path.intake._decode(stream, entry, path.now_ms, 1)
+        item = path.intake._decode(stream, entry, path.now_ms, time.monotonic(), 1)
         if not isinstance(item, Job):
             rejected.append(i)
         elif item.deadline_s is not None and item.deadline_s <= item.arrival_s:

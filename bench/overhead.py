@@ -1,7 +1,7 @@
 """What the framework costs: null-model jobs/s through redbatch / the raw Redis round-trip rate.
 
     .venv/bin/python bench/overhead.py [--seconds 10] [--window 256] [--batch 64]
-                                       [--payload tiny|photo]
+                                       [--payload tiny|photo|tensor]
 
 Both sides run in one run against one private redis-server, under the same closed loop
 (bench/harness.py ``closed_loop``): the client process keeps ``--window`` jobs in flight and
@@ -27,7 +27,10 @@ For reference a third raw run goes unpipelined: one XADD per job, one job per XR
 one command per round trip on the consumer side (the client still collects as above); the
 ratio against it is printed too, but the target is against the pipelined loop.
 ``--payload tiny`` (default) sends 32x32 JPEGs (~1 kB, decode ~0.1 ms); ``photo`` sends the
-sample photos (39-113 kB), where decoding a photo dominates.
+sample photos (39-113 kB), where decoding a photo dominates; ``tensor`` sends four float32
+values (16 B) to ``--model null_tensor``, whose preprocessing is a copy run inline by the
+worker (no pool process): redbatch's own path with no decoding at all, the closest to what
+the raw loop does.
 
 Prints both rates, the worker's batch sizes and the ratio last (issue 6 target >= 0.5).
 Writes bench/out/overhead.csv and bench/out/overhead.png.
@@ -56,11 +59,11 @@ from harness import (
     fmt,
     latency_summary,
     machine_load,
+    payloads_for,
     photos,
     plot_rates,
     reexec_with_worker_malloc,
     start_worker,
-    tiny_jpegs,
     verdict,
     write_csv,
 )
@@ -70,7 +73,8 @@ from redbatch.common.redis_io import StreamEntry
 from redbatch.producer.client import Client
 from redis.client import Pipeline
 
-MODEL = "null"
+#: The model each payload goes to.
+MODELS = {"tiny": "null", "photo": "null", "tensor": "null_tensor"}
 TARGET = 0.5
 RAW_STREAM = "rawbench:jobs"
 RAW_GROUP = "workers"
@@ -84,7 +88,7 @@ def result_blob() -> bytes:
                           timings={k: 12.345 for k in ("queue_ms", "preprocess_ms",
                                                        "batch_wait_ms", "inference_ms",
                                                        "total_ms")},
-                          batch_size=64, worker="host-12345-abcdef", model=MODEL,
+                          batch_size=64, worker="host-12345-abcdef", model="null",
                           finished_ms=int(time.time() * 1000)).encode()
 
 
@@ -93,9 +97,10 @@ class RawTarget:
 
     reply_key = RAW_REPLY
 
-    def __init__(self, url: str, payloads: Sequence[bytes], pipelined: bool = True) -> None:
+    def __init__(self, url: str, model: str, payloads: Sequence[bytes],
+                 pipelined: bool = True) -> None:
         self.r = redis.Redis.from_url(url)
-        self.maker = Client(url, model=MODEL)  # only to build envelopes, byte for byte
+        self.maker = Client(url, model=model)  # only to build envelopes, byte for byte
         self._payloads = itertools.cycle(payloads)
         self.pipelined = pipelined
 
@@ -156,7 +161,7 @@ def raw_phase(url: str, payloads: Sequence[bytes], args: argparse.Namespace,
                                  "--batch", str(args.batch),
                                  *([] if pipelined else ["--unpipelined"])],
                                 stdin=subprocess.DEVNULL)
-    target = RawTarget(url, payloads, pipelined)
+    target = RawTarget(url, MODELS[args.payload], payloads, pipelined)
     try:
         return closed_loop(url, target, args.window, args.seconds, warmup_s=args.warmup_s)
     finally:
@@ -171,12 +176,13 @@ def redbatch_phase(url: str, payloads: Sequence[bytes],
                    args: argparse.Namespace) -> tuple[ClosedRun, int]:
     """The closed loop through a null-model worker; also the worker's peak RSS (with pool)."""
     # Nothing to calibrate in a model that does no work.
-    worker = start_worker(url, MODEL, ["--model", MODEL, "--calibrate", "off",
+    model = MODELS[args.payload]
+    worker = start_worker(url, model, ["--model", model, "--calibrate", "off",
                                        "--max-batch-size", str(args.batch), "--max-inflight",
                                        str(args.window), *shlex.split(args.worker_args)],
                           "overhead-worker.log")
     try:
-        target = RedbatchTarget(url, MODEL, payloads)
+        target = RedbatchTarget(url, model, payloads)
         with RssSampler(worker.pid) as rss:
             run = closed_loop(url, target, args.window, args.seconds, warmup_s=args.warmup_s)
         target.close()
@@ -195,7 +201,7 @@ def main() -> None:
     parser.add_argument("--warmup-s", type=float, default=2.0)
     parser.add_argument("--window", type=int, default=256, help="jobs in flight")
     parser.add_argument("--batch", type=int, default=64, help="consumer batch / max batch size")
-    parser.add_argument("--payload", choices=["tiny", "photo"], default="tiny")
+    parser.add_argument("--payload", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--worker-args", default="", help="extra flags for redbatch worker")
     parser.add_argument("--raw-consumer", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--unpipelined", action="store_true", help=argparse.SUPPRESS)
@@ -204,7 +210,7 @@ def main() -> None:
         raw_consumer(args.raw_consumer, args.batch, not args.unpipelined)
         return
     reexec_with_worker_malloc()
-    payloads = tiny_jpegs(300) if args.payload == "tiny" else photos()
+    payloads = photos() if args.payload == "photo" else payloads_for(MODELS[args.payload])
     with RedisServer() as server:
         raw_before = raw_phase(server.url, payloads, args)
         ours, peak = redbatch_phase(server.url, payloads, args)

@@ -39,6 +39,9 @@ CLOCK_REFRESH_S = 30.0
 #: While bulk jobs fill their in-flight places, how long a read waits on the interactive
 #: stream alone before looking again whether bulk places came free, ms.
 BULK_RECHECK_MS = 10
+#: Reply lists whose name was checked, remembered so that each is matched once (a client
+#: names one in all its jobs); past this many the memory starts again.
+REPLY_LISTS_KEPT = 4096
 
 
 @dataclass(slots=True, eq=False)
@@ -122,6 +125,8 @@ class Intake:
         self.reclaimer = Reclaimer(r, consumer, reclaim_idle_ms)
         # Pending recovery cursors; a stream leaves the dict once its backlog is read.
         self._pending_from: dict[str, bytes] = {s: b"0" for s in keys.streams()}
+        self._stream_of = {lane: keys.stream(lane) for lane in Lane}
+        self._replies_seen: set[str] = set()
 
     def ensure_groups(self) -> None:
         """Create the consumer group on every lane stream (from id 0, so jobs that
@@ -165,11 +170,11 @@ class Intake:
         if not entries:
             entries = self._read_new(count, bulk_count, block_ms)
             deliveries = [1] * len(entries)
-        now_ms = self._clock.redis_now_ms()
+        now_ms, now_s = self._clock.redis_now_ms(), time.monotonic()
         jobs: list[Job] = []
         bad: list[BadEntry] = []
         for (stream, entry), delivered in zip(entries, deliveries, strict=True):
-            item = self._decode(stream, entry, now_ms, delivered)
+            item = self._decode(stream, entry, now_ms, now_s, delivered)
             if isinstance(item, Job):
                 item.taken_over = taken_over
                 item.deliveries = delivered
@@ -248,8 +253,10 @@ class Intake:
                                     block_ms)
         return self._xreadgroup({interactive: ">"}, count, min(block_ms, BULK_RECHECK_MS))
 
-    def _decode(self, stream: str, entry: StreamEntry, now_ms: float,
+    def _decode(self, stream: str, entry: StreamEntry, now_ms: float, now_s: float,
                 deliveries: int) -> Job | BadEntry:
+        """The Job of one entry, or why it cannot run; ``now_ms`` is Redis's clock and
+        ``now_s`` ours (monotonic), both read once per group."""
         entry_id, fields = entry
         if not fields:
             return BadEntry(stream, entry_id, None, ErrorCode.BAD_ENVELOPE,
@@ -270,16 +277,28 @@ class Intake:
         if env.model != self.keys.model:
             return BadEntry(stream, entry_id, env.request_id, ErrorCode.WRONG_MODEL,
                             f"job for model {env.model!r} on the stream of {self.keys.model!r}")
-        if self.keys.stream(env.lane) != stream:
+        if self._stream_of[env.lane] != stream:
             # The batcher schedules by the envelope's lane: a mislabelled bulk job would
             # jump the interactive queue.
             return BadEntry(stream, entry_id, env.request_id, ErrorCode.WRONG_LANE,
                             f"job for lane {env.lane.value!r} on the stream {stream!r}")
-        if env.reply_to is not None and not self.keys.is_reply(env.reply_to):
+        if env.reply_to is not None and not self._is_reply(env.reply_to):
             # Never let a job make the worker write to an arbitrary key.
             return BadEntry(stream, entry_id, env.request_id, ErrorCode.BAD_ENVELOPE,
                             f"reply_to {env.reply_to[:100]!r} is not a reply key of this model")
-        return _job(env, stream, entry_id, now_ms)
+        return _job(env, stream, entry_id, now_ms, now_s)
+
+    def _is_reply(self, key: str) -> bool:
+        """``keys.is_reply``, remembered for the reply lists seen lately (each client has
+        one, named in all its jobs), so that the pattern is matched once per list."""
+        if key in self._replies_seen:
+            return True
+        if not self.keys.is_reply(key):
+            return False
+        if len(self._replies_seen) >= REPLY_LISTS_KEPT:
+            self._replies_seen.clear()
+        self._replies_seen.add(key)
+        return True
 
 
 def _duplicate(item: Job | BadEntry, owner: bytes, fields: Mapping[bytes, bytes]) -> BadEntry:
@@ -294,8 +313,8 @@ def _entry_ms(entry_id: bytes) -> int:
     return int(entry_id.split(b"-", 1)[0])
 
 
-def _job(env: JobEnvelope, stream: str, entry_id: bytes, redis_now_ms: float) -> Job:
-    now = time.monotonic()
+def _job(env: JobEnvelope, stream: str, entry_id: bytes, redis_now_ms: float,
+         now: float) -> Job:
     queue_ms = max(0.0, redis_now_ms - _entry_ms(entry_id))
     budget = env.budget_ms
     deadline = None if budget is None else now + (budget - queue_ms) / 1000

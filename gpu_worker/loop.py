@@ -269,13 +269,8 @@ class MainLoop:
         if all(o.error is None for o in event.outcomes):
             self.latency.observe(event.run_size or n, event.inference_ms / 1000)
         self.batcher.set_limit(self.runner.batch_limit)  # lowered when device memory is short
-        for job, outcome, wait_ms in zip(event.batch, event.outcomes, event.batch_wait_ms,
-                                         strict=True):
-            if outcome.error is not None:
-                self.outbox.add(self.writer.failed(job, outcome.error, outcome.message, n))
-            else:
-                self.outbox.add(self.writer.ok(job, outcome.output, n, event.inference_ms,
-                                                    wait_ms))
+        self.outbox.extend(self.writer.ran(event.batch, event.outcomes, event.batch_wait_ms,
+                                           event.inference_ms))
 
     def _answered(self, answers: list[Answer], undeliverable: int) -> None:
         """Release what the written answers held, and count them."""
@@ -283,8 +278,9 @@ class MainLoop:
             if answer.slot >= 0:
                 self.allocator.release(answer.slot)
             self.intake.reclaimer.leases.release(answer.stream, answer.entry_id)
-            # Counted once written: a result that failed to write is retried, not lost.
-            self.metrics.answered(self._lane_of[answer.stream], answer.outcome, answer.timings,
-                                  dead_lettered=answer.dead_letter is not None)
+        # Counted once written: a result that failed to write is retried, not lost.
+        lane_of = self._lane_of
+        self.metrics.answered((lane_of[a.stream], a.outcome, a.timings,
+                               a.dead_letter is not None) for a in answers)
         self.metrics.dead_lettered.inc(undeliverable)
         self.capacity.give_back(len(answers), bulk=sum(a.lane is Lane.BULK for a in answers))

@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 from redbatch.common.logs import Throttle
@@ -67,7 +67,18 @@ logger = logging.getLogger(__name__)
 RECORDS_KEPT = 10_000
 
 
-@dataclass(frozen=True, slots=True)
+class RunOutcome(Protocol):
+    """What the model thread says of one job of a batch (gpu_worker/model.py ``Outcome``)."""
+
+    @property
+    def output(self) -> Any: ...
+    @property
+    def error(self) -> ErrorCode | None: ...
+    @property
+    def message(self) -> str: ...
+
+
+@dataclass(slots=True)
 class Answer:
     """One stream entry to acknowledge, with the encoded result to write first (if answerable)."""
 
@@ -157,25 +168,51 @@ class ResultWriter:
 
     # ------------------------------------------------------------------ envelopes
 
-    def _timings(self, job: Job, inference_ms: float = 0.0, batch_wait_ms: float = 0.0) -> dict[
-            str, float]:
-        total = job.queue_ms + (time.monotonic() - job.arrival_s) * 1000
+    @staticmethod
+    def _timings(job: Job, inference_ms: float = 0.0, batch_wait_ms: float = 0.0,
+                 now_s: float | None = None) -> dict[str, float]:
+        now_s = time.monotonic() if now_s is None else now_s
+        total = job.queue_ms + (now_s - job.arrival_s) * 1000
         return {"queue_ms": round(job.queue_ms, 3), "preprocess_ms": round(job.preprocess_ms, 3),
                 "batch_wait_ms": round(batch_wait_ms, 3), "inference_ms": round(inference_ms, 3),
                 "total_ms": round(total, 3)}
 
+    def ran(self, batch: Sequence[Job], outcomes: Sequence[RunOutcome],
+            batch_wait_ms: Sequence[float], inference_ms: float) -> list[Answer]:
+        """The answers to one batch the model ran, in order: ok, or the outcome's error.
+        The clocks are read once for the batch, and ok envelopes are encoded directly
+        (``ResultEnvelope.encode_ok``), with no envelope object per job."""
+        n = len(batch)
+        now_s, now_ms = time.monotonic(), int(time.time() * 1000)
+        answers = []
+        for job, outcome, wait_ms in zip(batch, outcomes, batch_wait_ms, strict=True):
+            if outcome.error is not None:
+                answers.append(self.failed(job, outcome.error, outcome.message, n))
+            else:
+                answers.append(self._ok(job, outcome.output, n, inference_ms, wait_ms, now_s,
+                                        now_ms))
+        return answers
+
     def ok(self, job: Job, output: Any, batch_size: int, inference_ms: float,
            batch_wait_ms: float) -> Answer:
         """An ok result; an output msgpack cannot carry becomes an ``internal`` error result."""
-        result = ResultEnvelope(job.request_id, Status.OK, output=output,
-                                timings=self._timings(job, inference_ms, batch_wait_ms),
-                                batch_size=batch_size, worker=self.worker, model=self.keys.model,
-                                finished_ms=int(time.time() * 1000))
+        return self._ok(job, output, batch_size, inference_ms, batch_wait_ms, time.monotonic(),
+                        int(time.time() * 1000))
+
+    def _ok(self, job: Job, output: Any, batch_size: int, inference_ms: float,
+            batch_wait_ms: float, now_s: float, now_ms: int) -> Answer:
+        timings = self._timings(job, inference_ms, batch_wait_ms, now_s)
         try:
-            return _answer(job, result, job.slot)
+            encoded = ResultEnvelope.encode_ok(job.envelope.request_id, output, timings,
+                                               batch_size, self.worker, self.keys.model, now_ms)
         except (TypeError, ValueError, OverflowError) as e:
             return self.failed(job, ErrorCode.INTERNAL,
                                f"model output cannot be encoded as msgpack: {e}", batch_size)
+        envelope = job.envelope
+        return Answer(job.stream, job.entry_id, envelope.request_id, encoded, job.slot,
+                      envelope.reply_to, envelope.lane, outcome=Status.OK.value,
+                      total_ms=timings["total_ms"], timings=timings, envelope=envelope,
+                      deliveries=job.deliveries)
 
     def failed(self, job: Job, code: ErrorCode, message: str, batch_size: int = 0) -> Answer:
         result = ResultEnvelope.error(job.request_id, code, message, timings=self._timings(job),
@@ -277,8 +314,9 @@ class ResultWriter:
         now = int(time.time() * 1000)
         bulk = self.keys.stream(Lane.BULK)
         # The lane from the stream, not the envelope: rejected entries have no envelope.
-        records = [RecentResult(now, Lane.BULK if a.stream == bulk else Lane.INTERACTIVE,
-                                a.outcome, a.total_ms).encode()
+        pack, interactive = RecentResult.pack, Lane.INTERACTIVE.value
+        records = [pack(now, Lane.BULK.value if a.stream == bulk else interactive, a.outcome,
+                        a.total_ms)
                    for a in answers if a.request_id is not None]
         if not records:
             return []

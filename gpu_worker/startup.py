@@ -14,7 +14,7 @@ import os
 import threading
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis
 from redbatch import __version__
@@ -94,6 +94,9 @@ def build(s: Settings, latency: LatencyEstimator, metrics: WorkerMetrics, health
     handler = load_handler(s.model.spec, s.limits)
     tuned, capacity, batcher = tune(s, handler, latency)
     s = tuned.settings
+    inline = handler if preprocesses_inline(handler) else None
+    if inline is not None:  # preprocessed in the main loop: the pool starts no process
+        s = replace(s, pool=replace(s.pool, processes=0))
     metrics.max_batch_size = s.batch.max_batch_size
     slots, allocator, pool = start_pool(s, handler, on_records, stack)
     runner = load_model(s, tuned, handler, slots, latency, metrics)
@@ -103,7 +106,6 @@ def build(s: Settings, latency: LatencyEstimator, metrics: WorkerMetrics, health
                     s.limits.max_payload_bytes, s.reclaim_idle_ms, s.max_deliveries)
     wait_for_redis(intake, health, stop)
     writer = ResultWriter(connect(s.redis), intake.keys, s.consumer, s.result_ttl_s)
-    inline = handler if preprocesses_inline(handler) else None
     return Parts(s, tuned, capacity, batcher, slots, allocator, pool, runner, inline, intake,
                  writer)
 

@@ -6,7 +6,9 @@ once and ``postprocess`` after each batch.
 
 ``--model`` accepts:
 
-* a built-in name: ``efficientnet_lite0`` (the default);
+* a built-in name: ``efficientnet_lite0`` (the default), ``null`` (the mean colour of a
+  32x32 thumbnail: decoding, and nothing else) or ``null_tensor`` (the sum of four float32
+  values: no decoding either);
 * a TorchScript file ``path/to/model.pt`` taking N x 3 x 224 x 224 float
   images (ImageNet mean/std) and returning N x classes logits;
 * a factory ``package.module:callable`` taking a ``LimitSettings`` and
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 from redbatch.common.config import LimitSettings
 from redbatch.handlers.imagenet import EfficientNetLite0, NullModel, TorchScriptClassifier
+from redbatch.handlers.tensors import NullTensorModel
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +67,7 @@ def preprocesses_inline(handler: Handler) -> bool:
 BUILTIN: dict[str, Callable[[LimitSettings], Handler]] = {
     "efficientnet_lite0": EfficientNetLite0,
     "null": NullModel,
+    "null_tensor": NullTensorModel,
 }
 
 

@@ -130,6 +130,8 @@ class PreprocPool:
         """Start the processes and the pump thread, which calls ``on_records`` once per
         message with its list of records."""
         self._children = [self._spawn(i) for i in range(self._settings.processes)]
+        if not self._children:
+            return  # no processes (every task is preprocessed inline): nothing to pump
         self._pump = threading.Thread(target=self._pump_loop, args=(on_records,),
                                       name="preproc-pump", daemon=True)
         self._pump.start()

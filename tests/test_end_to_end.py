@@ -197,3 +197,26 @@ def test_both_lanes_are_served(redis_url: str, start_worker: WorkerFactory, lane
     start_worker()
     with Client(redis_url) as client:
         assert client.predict(PHOTOS["cat.jpg"], lane=lane, timeout_s=60).ok
+
+
+def test_a_tensor_model_is_preprocessed_inline_with_no_pool_process(
+        redis_url: str, start_worker: WorkerFactory) -> None:
+    """The null_tensor model's preprocessing is a copy (``inline_preprocess``): the worker
+    runs it in its own loop and starts no pool process; a payload of the wrong size is
+    answered ``bad_input`` and the others of its group still run."""
+    import numpy as np
+    import psutil
+
+    proc = start_worker(model="null_tensor")
+    values = [np.array([i, 0.5, -1.0, 2.0], dtype="<f4") for i in range(40)]
+    with Client(redis_url, model="null_tensor") as client:
+        ids = client.submit_many([v.tobytes() for v in values] + [b"\x00" * 15], timeout_s=60)
+        results = client.results(ids, timeout_s=60)
+    for v, result in zip(values, results, strict=False):
+        assert result.ok, result
+        assert result.output == {"sum": pytest.approx(float(v.sum()))}
+    assert results[-1].error_code is ErrorCode.BAD_INPUT, results[-1]
+    assert max(r.batch_size for r in results[:-1]) > 1, "they ran in batches"
+    # Pool processes are multiprocessing's spawned children; the resource tracker stays.
+    assert not [c for c in psutil.Process(proc.pid).children(recursive=True)
+                if "spawn_main" in " ".join(c.cmdline())], "no pool process"

@@ -208,3 +208,38 @@ def test_lag_is_derived_when_redis_cannot_count_it() -> None:
     assert group_state([group], length=10) == (3, 7)
     assert group_state([{**group, "lag": 5}], length=10) == (3, 5)
     assert group_state([], length=4) == (0, 4)  # no group yet: nothing read
+
+
+def test_a_group_is_recorded_as_the_same_jobs_one_by_one_would_be() -> None:
+    """``answered`` takes a whole group (one update per series, observe_many into the
+    histograms, which reaches into prometheus_client's series): the exposition must be what
+    per-job ``observe`` and ``inc`` give, bucket edges included (a value equal to a bound
+    counts in that bucket)."""
+    from prometheus_client import generate_latest
+    from redbatch.gpu_worker.metrics import LATENCY_BUCKETS_S, Answered
+
+    edges_ms = [b * 1000 for b in LATENCY_BUCKETS_S]
+    values_ms = [0.0, 0.1, *edges_ms, *(e * 1.001 for e in edges_ms), 45_000.0, 3.3]
+    group: list[Answered] = [(Lane.INTERACTIVE.value if i % 3 else Lane.BULK.value, "ok",
+              {"queue_ms": v, "preprocess_ms": v / 2, "batch_wait_ms": 1.0, "total_ms": v + 1},
+              False) for i, v in enumerate(values_ms)]
+    group += [(Lane.BULK.value, ErrorCode.BAD_IMAGE.value, {}, True),
+              (Lane.INTERACTIVE.value, ErrorCode.EXPIRED.value, None, False)]
+    grouped, one_by_one = WorkerMetrics("m", 8), WorkerMetrics("m", 8)
+    grouped.answered(group)
+    for lane, outcome, timings, dead in group:
+        one_by_one.requests.labels("m", lane, outcome).inc()
+        one_by_one.dead_lettered.inc(dead)
+        if outcome == "ok" and timings:
+            for field, histogram in one_by_one._stages_of(lane):
+                histogram.observe(timings[field] / 1000)
+    def samples(metrics: WorkerMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        text = generate_latest(metrics.registry).decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    expected = samples(one_by_one)
+    assert any(name == "redbatch_queue_seconds_bucket" and value > 0
+               for (name, _), value in expected.items())
+    # Equal, but for the last bits of the sums (added in another order).
+    assert samples(grouped) == pytest.approx(expected, rel=1e-12)

@@ -243,6 +243,14 @@ def _check_fields(body: Any, types: Mapping[str, tuple[type, ...]]) -> None:
             raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"field {name!r} has type {kind}")
 
 
+#: Lanes by their wire value: a dict lookup per job rather than an Enum call.
+_LANES = {lane.value: lane for lane in Lane}
+#: Model names already validated (a worker sees one, a client a few), so that the name's
+#: pattern is matched once, not per job; at most _VALID_MODELS_KEPT are kept.
+_VALID_MODELS: set[str] = set()
+_VALID_MODELS_KEPT = 64
+
+
 def _job_from_body(request_id: str, body: Any, max_payload_bytes: int) -> JobEnvelope:
     _check_fields(body, _JOB_FIELD_TYPES)
     if body["v"] != PROTOCOL_VERSION:
@@ -250,11 +258,16 @@ def _job_from_body(request_id: str, body: Any, max_payload_bytes: int) -> JobEnv
     if len(body["payload"]) > max_payload_bytes:
         size = len(body["payload"])
         raise ProtocolError(ErrorCode.PAYLOAD_TOO_LARGE, f"{size} > {max_payload_bytes} bytes")
-    try:
-        lane = Lane(body["lane"])
-        validate_name(body["model"])
-    except ValueError as e:
-        raise ProtocolError(ErrorCode.BAD_ENVELOPE, str(e)) from e
+    lane = _LANES.get(body["lane"])
+    if lane is None:
+        raise ProtocolError(ErrorCode.BAD_ENVELOPE, f"{body['lane']!r:.100} is not a valid Lane")
+    if body["model"] not in _VALID_MODELS:
+        try:
+            validate_name(body["model"])
+        except ValueError as e:
+            raise ProtocolError(ErrorCode.BAD_ENVELOPE, str(e)) from e
+        if len(_VALID_MODELS) < _VALID_MODELS_KEPT:
+            _VALID_MODELS.add(body["model"])
     reply_to = body.get("reply_to")
     if reply_to is not None and not isinstance(reply_to, str):
         raise ProtocolError(ErrorCode.BAD_ENVELOPE, "field 'reply_to' must be a string or nil")
@@ -294,6 +307,15 @@ def _check_params(params: dict[Any, Any]) -> dict[str, Any]:
 TIMING_NAMES = ("queue_ms", "preprocess_ms", "batch_wait_ms", "inference_ms", "total_ms")
 
 
+def _pack_result(version: int, request_id: str, status: str, output: Any,
+                 error: dict[str, str] | None, timings: dict[str, float], batch_size: int,
+                 worker: str, model: str, finished_ms: int) -> bytes:
+    """The msgpack result envelope (PROTOCOL.md "Result envelope"): its one layout."""
+    return packb({"v": version, "id": request_id, "status": status, "output": output,
+                  "error": error, "timings": timings, "batch_size": batch_size,
+                  "worker": worker, "model": model, "finished_ms": finished_ms})
+
+
 @dataclass(frozen=True, slots=True)
 class ResultEnvelope:
     """The answer to one request: ok with an output, or error with a code."""
@@ -323,20 +345,17 @@ class ResultEnvelope:
         error = None
         if self.error_code is not None:
             error = {"code": self.error_code.value, "message": self.error_message}
-        return packb(
-            {
-                "v": self.version,
-                "id": self.request_id,
-                "status": self.status.value,
-                "output": self.output,
-                "error": error,
-                "timings": dict(self.timings),
-                "batch_size": self.batch_size,
-                "worker": self.worker,
-                "model": self.model,
-                "finished_ms": self.finished_ms,
-            }
-        )
+        return _pack_result(self.version, self.request_id, self.status.value, self.output,
+                            error, dict(self.timings), self.batch_size, self.worker, self.model,
+                            self.finished_ms)
+
+    @staticmethod
+    def encode_ok(request_id: str, output: Any, timings: dict[str, float], batch_size: int,
+                  worker: str, model: str, finished_ms: int) -> bytes:
+        """What ``ResultEnvelope(request_id, Status.OK, output, ...).encode()`` returns,
+        without the object: a worker encodes every ok answer this way."""
+        return _pack_result(PROTOCOL_VERSION, request_id, Status.OK.value, output, None, timings,
+                            batch_size, worker, model, finished_ms)
 
     @classmethod
     def decode(cls, data: bytes, max_bytes: int = MAX_RESULT_BYTES) -> ResultEnvelope:

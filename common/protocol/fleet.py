@@ -85,8 +85,14 @@ class RecentResult:
     """End-to-end time (the result's ``total_ms``); None for entries rejected unread."""
 
     def encode(self) -> bytes:
-        return packb({"finished_ms": self.finished_ms, "lane": Lane(self.lane).value,
-                      "outcome": self.outcome, "total_ms": self.total_ms})
+        return self.pack(self.finished_ms, Lane(self.lane).value, self.outcome, self.total_ms)
+
+    @staticmethod
+    def pack(finished_ms: int, lane: str, outcome: str, total_ms: float | None) -> bytes:
+        """What ``RecentResult(...).encode()`` returns, without the object (``lane``: the
+        Lane's value); a worker encodes every answer this way."""
+        return packb({"finished_ms": finished_ms, "lane": lane, "outcome": outcome,
+                      "total_ms": total_ms})
 
     @classmethod
     def decode(cls, data: bytes) -> RecentResult:

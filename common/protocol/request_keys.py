@@ -96,11 +96,14 @@ class AnswerKeys:
         of a second run carries that run's envelope (a transaction cannot make the push
         depend on the SET); both answer the same entry."""
         result, done = self.names(request_id)
-        pipe.set(result, encoded, px=ttl_ms, nx=True, get=True)
+        # execute_command rather than set(): the same command, without redis-py's checks of
+        # eleven keyword options on every job (``get`` tells its reply parser about GET).
+        command = cast(Any, pipe).execute_command  # untyped in redis-py
+        command("SET", result, encoded, "NX", "GET", "PX", ttl_ms, get=True)
         if not token:
             return [f"SET {result}"]
-        pipe.rpush(done, encoded)
-        pipe.pexpire(done, ttl_ms)
+        command("RPUSH", done, encoded)
+        command("PEXPIRE", done, ttl_ms)
         return [f"SET {result}", f"RPUSH {done}", f"PEXPIRE {done}"]
 
     def exists(self, pipe: redis.Redis, request_id: str) -> None:
