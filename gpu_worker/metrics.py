@@ -41,6 +41,9 @@ worker reports the same values, so aggregate them with ``max``.
 Why no multi-process registry: pool processes measure their decode time and send it back
 with each record, so only the worker process records metrics. The registry is the
 worker's own (not prometheus_client's global one), so a process may hold several.
+
+The module runs past 400 lines because it is the contract's one home: every series is
+declared here, beside the few functions that record a group at once and serve them.
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@ NOTE [ Write failures ]
   WATCH makes that check and the EXEC one unit. A record that still fails (the
   key replaced in between, or an undeliverable answer's own record) is kept in
   memory and written on a later flush.
+
+The module runs past 400 lines because an answer and the transaction that writes it change
+together: every field of Answer is there for one command or one failure case of the write,
+and the envelopes are built here so that their bytes are ready for the transaction.
 """
 
 from __future__ import annotations
