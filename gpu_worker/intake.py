@@ -186,8 +186,7 @@ class Intake:
         # Only now, with nothing left to fail, are the entries ours to renew. Had a call
         # above failed (Redis went away), they would stay pending without a lease and be
         # taken over once idle, by this worker or another, instead of renewed forever.
-        for stream, (entry_id, _) in entries:
-            self.reclaimer.leases.hold(stream, entry_id)
+        self.reclaimer.leases.hold((stream, entry_id) for stream, (entry_id, _) in entries)
         return jobs, bad
 
     def _drop_duplicates(self, jobs: list[Job], bad: list[BadEntry],

@@ -274,10 +274,8 @@ class MainLoop:
 
     def _answered(self, answers: list[Answer], undeliverable: int) -> None:
         """Release what the written answers held, and count them."""
-        for answer in answers:
-            if answer.slot >= 0:
-                self.allocator.release(answer.slot)
-            self.intake.reclaimer.leases.release(answer.stream, answer.entry_id)
+        self.allocator.release_many(a.slot for a in answers if a.slot >= 0)
+        self.intake.reclaimer.leases.release((a.stream, a.entry_id) for a in answers)
         # Counted once written: a result that failed to write is retried, not lost.
         lane_of = self._lane_of
         self.metrics.answered((lane_of[a.stream], a.outcome, a.timings,

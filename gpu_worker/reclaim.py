@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any, cast
 
 import redis
@@ -69,13 +70,17 @@ class Leases:
         self._held: dict[tuple[str, bytes], float] = {}
         self._lock = threading.Lock()
 
-    def hold(self, stream: str, entry_id: bytes) -> None:
+    def hold(self, entries: Iterable[tuple[str, bytes]]) -> None:
+        """Hold each (stream, entry id), renewed now; one lock for the group."""
+        now = time.monotonic()
         with self._lock:
-            self._held[(stream, entry_id)] = time.monotonic()
+            self._held.update((entry, now) for entry in entries)
 
-    def release(self, stream: str, entry_id: bytes) -> None:
+    def release(self, entries: Iterable[tuple[str, bytes]]) -> None:
+        """Let go of each (stream, entry id); one lock for the group."""
         with self._lock:
-            self._held.pop((stream, entry_id), None)
+            for entry in entries:
+                self._held.pop(entry, None)
 
     def due(self, older_than_s: float) -> dict[str, list[bytes]]:
         """Entries not renewed for ``older_than_s``, by stream; marks them renewed."""

@@ -45,6 +45,7 @@ import re
 import secrets
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -193,15 +194,27 @@ class SlotAllocator:
 
     def __init__(self, n_slots: int) -> None:
         self._free = list(range(n_slots - 1, -1, -1))
+        self._is_free = bytearray(b"\x01" * n_slots)  # O(1) double-release check
         self.n_slots = n_slots
 
     def acquire(self) -> int | None:
-        return self._free.pop() if self._free else None
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self._is_free[slot] = 0
+        return slot
 
     def release(self, slot: int) -> None:
-        if slot < 0 or slot >= self.n_slots or slot in self._free:
-            raise ValueError(f"slot {slot} released twice or out of range")
-        self._free.append(slot)
+        self.release_many((slot,))
+
+    def release_many(self, slots: Iterable[int]) -> None:
+        """Free each slot; ValueError (after freeing those before it) for one out of range
+        or already free."""
+        for slot in slots:
+            if not 0 <= slot < self.n_slots or self._is_free[slot]:
+                raise ValueError(f"slot {slot} released twice or out of range")
+            self._is_free[slot] = 1
+            self._free.append(slot)
 
     @property
     def in_use(self) -> int:
