@@ -33,7 +33,8 @@ worker (no pool process): redbatch's own path with no decoding at all, the close
 the raw loop does.
 
 Prints both rates, the worker's batch sizes and the ratio last (issue 6 target >= 0.5).
-Writes bench/out/overhead.csv and bench/out/overhead.png.
+Writes bench/out/overhead.csv and bench/out/overhead.png (``overhead-PAYLOAD.*`` for a
+payload other than ``tiny``).
 """
 
 from __future__ import annotations
@@ -191,8 +192,13 @@ def redbatch_phase(url: str, payloads: Sequence[bytes],
         worker.stop()
 
 
-def draw(rates: dict[str, float], title: str) -> None:
-    plot_rates("overhead.png", rates, title, "jobs / s", "%.0f", 3.5)
+def out_name(payload: str, ext: str) -> str:
+    """The output file of a run with ``payload``: overhead.EXT for the default."""
+    return f"overhead.{ext}" if payload == "tiny" else f"overhead-{payload}.{ext}"
+
+
+def draw(rates: dict[str, float], title: str, payload: str) -> None:
+    plot_rates(out_name(payload, "png"), rates, title, "jobs / s", "%.0f", 3.5)
 
 
 def main() -> None:
@@ -230,13 +236,14 @@ def report(args: argparse.Namespace, payloads: Sequence[bytes], raw_before: Clos
         lat = latency_summary(run.latencies())
         rows.append([name, len(run.steady), fmt(run.steady_s), fmt(run.throughput),
                      *(fmt(lat[k]) for k in ("p50", "p99")), run.failed])
-    write_csv("overhead.csv", ["run", "jobs", "seconds", "jobs_per_s", "p50_ms", "p99_ms",
-                               "failed"], rows)
+    write_csv(out_name(args.payload, "csv"),
+              ["run", "jobs", "seconds", "jobs_per_s", "p50_ms", "p99_ms", "failed"], rows)
     sizes = Counter(c.finished.batch_size for c in ours.steady)
     mean_payload = sum(len(p) for p in payloads) / len(payloads)
     draw({n: r.throughput for n, r in runs.items()},
          f"null model vs raw Redis, window {args.window}, batch {args.batch}, "
-         f"payload {args.payload} ({mean_payload / 1024:.1f} kB); {os.cpu_count()} cores")
+         f"payload {args.payload} ({mean_payload / 1024:.1f} kB); {os.cpu_count()} cores",
+         args.payload)
     print(f"cores={os.cpu_count()} window={args.window} batch={args.batch} "
           f"payload={args.payload} (mean {mean_payload:.0f} B) seconds={args.seconds} "
           f"worker_args={args.worker_args!r}")
@@ -248,7 +255,8 @@ def report(args: argparse.Namespace, payloads: Sequence[bytes], raw_before: Clos
     print(f"redbatch batch sizes (jobs by size): {dict(sorted(sizes.items()))}; "
           f"worker peak RSS with pool {peak / 2**20:.0f} MiB")
     print(machine_load())
-    print("wrote bench/out/overhead.csv, bench/out/overhead.png")
+    print(f"wrote bench/out/{out_name(args.payload, 'csv')}, "
+          f"bench/out/{out_name(args.payload, 'png')}")
     print(f"for reference, against the unpipelined raw loop: {ours.throughput:.0f} / "
           f"{raw_single.throughput:.0f} = {ours.throughput / raw_single.throughput:.2f}")
     print(f"RATIO redbatch null-model / raw Redis round trip = {ours.throughput:.0f} / "
