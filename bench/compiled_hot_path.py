@@ -239,7 +239,9 @@ class HotPath:
     """One group's trip through the worker's per-job Python, part by part, on the product's
     objects around a redis-py client that never connects."""
 
-    def __init__(self) -> None:
+    def __init__(self, no_reply_every: int = 0) -> None:
+        """``no_reply_every`` N > 0: every Nth job names no reply list (it gets a done token);
+        the timed group has none, as the Python client's jobs do."""
         # Port 1: should anything try to connect, it fails at once instead of finding a server.
         self.client = redis.Redis(connection_pool=redis.ConnectionPool(host="127.0.0.1", port=1))
         self.keys = keys = Keys("bench")
@@ -251,7 +253,8 @@ class HotPath:
         for i in range(GROUP):
             env = JobEnvelope(f"req-{i:06d}", "bench", os.urandom(PAYLOAD_BYTES), "image/jpeg",
                               int(self.now_ms), int(self.now_ms) + 30_000, Lane.INTERACTIVE,
-                              {}, keys.reply("client-1"))
+                              {}, None if no_reply_every and i % no_reply_every == 0
+                              else keys.reply("client-1"))
             fields = {name.encode(): value for name, value in env.encode().items()}
             fields[FIELD_ADMITTED.encode()] = b"1"
             self.entries.append((self.stream, (f"{int(self.now_ms)}-{i}".encode(), fields)))
