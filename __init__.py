@@ -15,4 +15,46 @@ tests/test_layout.py checks it)::
 See PROTOCOL.md for the wire format.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from redbatch.common.protocol import ErrorCode, Lane
+    from redbatch.producer.client import (
+        AsyncClient,
+        Client,
+        DuplicateRequestId,
+        JobFailed,
+        ProtocolError,
+        QueueFull,
+        RedbatchError,
+        Result,
+        ResultTimeout,
+        ResultUnreadable,
+    )
+
+#: The package's own face, as users of Celery or arq expect (``from redbatch import
+#: Client``): each name and the module it comes from, imported on first use so that
+#: ``import redbatch`` stays light (a worker or the CLI does not load the client).
+_EXPORTS = {
+    **dict.fromkeys(("AsyncClient", "Client", "DuplicateRequestId", "JobFailed",
+                     "ProtocolError", "QueueFull", "RedbatchError", "Result", "ResultTimeout",
+                     "ResultUnreadable"), "redbatch.producer.client"),
+    **dict.fromkeys(("ErrorCode", "Lane"), "redbatch.common.protocol"),
+}
+__all__ = ["AsyncClient", "Client", "DuplicateRequestId", "ErrorCode", "JobFailed", "Lane",
+           "ProtocolError", "QueueFull", "RedbatchError", "Result", "ResultTimeout",
+           "ResultUnreadable"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'redbatch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

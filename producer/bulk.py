@@ -48,6 +48,7 @@ from redbatch.common.protocol import (
 )
 from redbatch.common.redis_io import REDIS_ERRORS
 from redbatch.producer.client import Client, DuplicateRequestId, QueueFull
+from redbatch.producer.errors import RESULT_TIMEOUT
 from redbatch.producer.inputs import Item
 from redbatch.producer.output import DoneIndex, OutputWriter, record
 from redbatch.producer.pacing import Waiting, WaitingLine
@@ -348,7 +349,8 @@ class BulkScorer:
         late = [rid for rid, f in self._inflight.items() if f.sent < limit]
         for rid in late:
             item = self._inflight.pop(rid).item
-            self._write_error(item, "timeout", f"no result within {self.settings.timeout_s:g}s")
+            self._write_error(item, RESULT_TIMEOUT,
+                              f"no result within {self.settings.timeout_s:g}s")
         for item in self._line.expired(limit):
-            self._write_error(item, "timeout", f"not admitted within "
+            self._write_error(item, RESULT_TIMEOUT, f"not admitted within "
                               f"{self.settings.timeout_s:g}s: the queue stayed full")

@@ -33,15 +33,24 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from redbatch.common.config import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MODEL, DEFAULT_REDIS_URL
-from redbatch.common.protocol import DEFAULT_PREFIX, JobEnvelope, Lane, ResultEnvelope
+from redbatch.common.protocol import (
+    DEFAULT_PREFIX,
+    JobEnvelope,
+    JobFailed,
+    Lane,
+    ProtocolError,
+    RedbatchError,
+    ResultEnvelope,
+)
 from redbatch.common.redis_io import connect, connect_async
 from redbatch.producer.core import ClientCore, QueueState
 from redbatch.producer.errors import DuplicateRequestId, QueueFull, ResultTimeout, ResultUnreadable
 from redbatch.producer.readers import ReaderTask, ReaderThread
 from redbatch.producer.runners import AsyncInbox, AsyncRunner, BlockingRunner, SyncInbox
 
-__all__ = ["AsyncClient", "Client", "DuplicateRequestId", "QueueFull", "QueueState", "Result",
-           "ResultTimeout", "ResultUnreadable"]
+__all__ = ["AsyncClient", "Client", "DuplicateRequestId", "JobFailed", "ProtocolError",
+           "QueueFull", "QueueState", "RedbatchError", "Result", "ResultTimeout",
+           "ResultUnreadable"]
 
 Result = ResultEnvelope
 
@@ -148,10 +157,14 @@ class Client(ClientCore):
         for _, result in self._gather(request_ids, timeout_s, model):
             yield result
 
-    def predict(self, payload: bytes, *, timeout_s: float = 30.0, **kw: Any) -> ResultEnvelope:
-        """Submit and wait; the job's deadline is the same ``timeout_s``."""
+    def predict(self, payload: bytes, *, timeout_s: float = 30.0, raise_on_error: bool = False,
+                **kw: Any) -> ResultEnvelope:
+        """Submit and wait; the job's deadline is the same ``timeout_s``. An error result
+        comes back as a value, or with ``raise_on_error`` raises JobFailed (as
+        ``raise_for_error()`` on the result does)."""
         request_id = self.submit(payload, timeout_s=timeout_s, **kw)
-        return self.result(request_id, timeout_s, model=kw.get("model"))
+        result = self.result(request_id, timeout_s, model=kw.get("model"))
+        return result.raise_for_error() if raise_on_error else result
 
     def close(self) -> None:
         """Stop the reply readers and close the client's connections."""
@@ -252,10 +265,11 @@ class AsyncClient(ClientCore):
             yield result
 
     async def predict(self, payload: bytes, *, timeout_s: float = 30.0,
-                      **kw: Any) -> ResultEnvelope:
+                      raise_on_error: bool = False, **kw: Any) -> ResultEnvelope:
         """As :meth:`Client.predict`."""
         request_id = await self.submit(payload, timeout_s=timeout_s, **kw)
-        return await self.result(request_id, timeout_s, model=kw.get("model"))
+        result = await self.result(request_id, timeout_s, model=kw.get("model"))
+        return result.raise_for_error() if raise_on_error else result
 
     async def close(self) -> None:
         """Cancel the reply readers and close the client's connections."""

@@ -1,19 +1,27 @@
 """What the client raises: refusals at submit (QueueFull, DuplicateRequestId) and the
-two ways a wait ends without a result (ResultTimeout, ResultUnreadable).
+two ways a wait ends without a result (ResultTimeout, ResultUnreadable); with JobFailed
+(an error result, raised on request) and ProtocolError, all are RedbatchError, and each
+carries its ``code``.
 
-Import them from ``redbatch.producer.client``, which re-exports them.
+Import them from ``redbatch`` (or ``redbatch.producer.client``), which re-export them.
 """
 
 from __future__ import annotations
 
-from redbatch.common.protocol import ErrorCode, Lane, ProtocolError
+from redbatch.common.protocol import ErrorCode, Lane, ProtocolError, RedbatchError
+
+#: The code of a wait that ended without a result: ResultTimeout's, and what `redbatch
+#: submit` and `redbatch score` write for such a job. A client's code, never a worker's.
+RESULT_TIMEOUT = "timeout"
 
 
-class ResultTimeout(TimeoutError):
+class ResultTimeout(RedbatchError, TimeoutError):
     """No result arrived within the time the caller was willing to wait."""
 
+    code = RESULT_TIMEOUT
+
     def __init__(self, request_id: str, timeout_s: float) -> None:
-        super().__init__(f"no result for {request_id} within {timeout_s:g}s")
+        super().__init__(f"{RESULT_TIMEOUT}: no result for {request_id} within {timeout_s:g}s")
         self.request_id = request_id
 
 
@@ -28,7 +36,7 @@ class ResultUnreadable(ProtocolError):
         self.key = key
 
 
-class QueueFull(Exception):
+class QueueFull(RedbatchError):
     """Admission control refused jobs: their lane's queue is at its bound.
 
     Refused jobs were not queued (nothing was dropped silently); submit them again
@@ -58,7 +66,7 @@ class QueueFull(Exception):
         super().__init__(f"{self.code.value}: {self.message}")
 
 
-class DuplicateRequestId(Exception):
+class DuplicateRequestId(RedbatchError):
     """Refused at submit: these request ids belong to jobs already queued, running, or
     with a result that has not expired. Nothing was queued for them. ``accepted`` holds
     the ids of the jobs of the same call that were queued."""

@@ -11,6 +11,7 @@ from typing import Any
 from redbatch.common.config import DEFAULT_MAX_PAYLOAD_BYTES
 from redbatch.common.protocol import Lane
 from redbatch.producer.client import Client, QueueFull, ResultTimeout
+from redbatch.producer.errors import RESULT_TIMEOUT
 
 #: Files submitted per pipelined round trip.
 CHUNK = 256
@@ -85,6 +86,7 @@ def _report(client: Client, submitted: list[tuple[Path, str]], wait: bool,
             _emit({"file": str(path), **client.result(rid, timeout_s).to_dict()})
         except ResultTimeout:
             ok = False
-            _emit({"file": str(path), "id": rid, "status": "timeout",
-                   "error": {"code": "timeout", "message": f"no result within {timeout_s:g}s"}})
+            _emit({"file": str(path), "id": rid, "status": RESULT_TIMEOUT,
+                   "error": {"code": RESULT_TIMEOUT,
+                             "message": f"no result within {timeout_s:g}s"}})
     return ok

@@ -389,3 +389,55 @@ def test_a_client_never_closed_does_not_keep_its_process_alive(
     done = subprocess.run([sys.executable, "-c", script, redis_url], capture_output=True,
                           timeout=60)
     assert done.returncode == 0 and done.stdout == b"submitted\n", done.stderr[-2000:]
+
+
+def test_the_package_exports_the_clients_and_one_error_hierarchy() -> None:
+    """``from redbatch import Client`` (and the errors), without ``import redbatch`` loading
+    the client; every error a client raises is a RedbatchError with its code."""
+    code = ("import sys, redbatch; assert 'redbatch.producer.client' not in sys.modules; "
+            "from redbatch import Client; assert 'redbatch.producer.client' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    import redbatch
+    from redbatch.producer import client as module
+
+    assert redbatch.Client is module.Client and redbatch.AsyncClient is module.AsyncClient
+    for name in ("DuplicateRequestId", "JobFailed", "ProtocolError", "QueueFull",
+                 "ResultTimeout", "ResultUnreadable"):
+        assert issubclass(getattr(redbatch, name), redbatch.RedbatchError), name
+    assert issubclass(redbatch.ResultTimeout, TimeoutError), "existing handlers keep working"
+    assert redbatch.QueueFull.code is ErrorCode.QUEUE_FULL
+    assert redbatch.DuplicateRequestId.code is ErrorCode.DUPLICATE_REQUEST_ID
+    assert redbatch.ResultTimeout("r1", 2).code == "timeout"
+    assert ResultUnreadable("r1", "k", "why").code is ErrorCode.BAD_ENVELOPE
+    with pytest.raises(AttributeError):
+        _ = redbatch.NoSuchThing  # type: ignore[attr-defined]
+
+
+def test_an_error_result_is_a_value_or_raises_on_request(
+        redis_url: str, start_worker: WorkerFactory) -> None:
+    """A bad image comes back as an error result, or, asked for, raises JobFailed carrying
+    its code, message, request id and the result itself; an ok result passes through."""
+    from redbatch import JobFailed, RedbatchError
+
+    start_worker(model="null")
+    cat = (SAMPLES / "cat.jpg").read_bytes()
+    with Client(redis_url, model="null") as client:
+        bad = client.predict(b"not an image", timeout_s=60)
+        assert not bad.ok and bad.error_code is ErrorCode.BAD_IMAGE
+        with pytest.raises(RedbatchError) as info:
+            client.predict(b"not an image either", timeout_s=60, raise_on_error=True)
+        e = info.value
+        assert isinstance(e, JobFailed) and e.code is ErrorCode.BAD_IMAGE and e.message
+        assert e.result.request_id == e.request_id and str(e).startswith("bad_image: ")
+        ok = client.predict(cat, timeout_s=60, raise_on_error=True)
+        assert ok.raise_for_error() is ok and len(ok.output["mean_rgb"]) == 3
+
+    async def run() -> ErrorCode | None:
+        async with AsyncClient(redis_url, model="null") as aclient:
+            try:
+                await aclient.predict(b"nope", timeout_s=60, raise_on_error=True)
+            except JobFailed as failed:
+                return failed.code
+        return None
+
+    assert asyncio.run(run()) is ErrorCode.BAD_IMAGE

@@ -95,12 +95,23 @@ class ErrorCode(str, Enum):
     answer could not be written; the job is dead-lettered with its decoded envelope."""
 
 
-class ProtocolError(Exception):
+class RedbatchError(Exception):
+    """The base of every error redbatch raises about a job: ``code`` says what kind (an
+    ErrorCode, which is a str, or a client-side code such as ``timeout``), ``request_id``
+    which job, when known. Catch it to catch them all."""
+
+    code: str | None = None
+    request_id: str | None = None
+
+
+class ProtocolError(RedbatchError):
     """A job or result could not be decoded or is invalid.
 
     ``request_id`` is set when the request could still be identified, so the
     caller can answer it with an error result.
     """
+
+    code: ErrorCode
 
     def __init__(self, code: ErrorCode, message: str, request_id: str | None = None) -> None:
         super().__init__(f"{code.value}: {message}")
@@ -304,6 +315,22 @@ def _check_params(params: dict[Any, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- result
 
 
+class JobFailed(RedbatchError):
+    """A job was answered with an error result (``ResultEnvelope.raise_for_error``, or
+    ``predict(..., raise_on_error=True)``): ``code`` is its ErrorCode (``bad_image``,
+    ``expired``, ...), ``message`` the worker's words, ``result`` the whole envelope."""
+
+    code: ErrorCode | None
+
+    def __init__(self, result: ResultEnvelope) -> None:
+        self.result = result
+        self.request_id = result.request_id
+        self.code = result.error_code
+        self.message = result.error_message
+        code = result.error_code.value if result.error_code is not None else "error"
+        super().__init__(f"{code}: {result.error_message} (request {result.request_id})")
+
+
 TIMING_NAMES = ("queue_ms", "preprocess_ms", "batch_wait_ms", "inference_ms", "total_ms")
 
 
@@ -336,6 +363,13 @@ class ResultEnvelope:
     @property
     def ok(self) -> bool:
         return self.status is Status.OK
+
+    def raise_for_error(self) -> ResultEnvelope:
+        """This result if it is ok; else raise JobFailed with its code and message, so
+        ``client.predict(x).raise_for_error().output`` is the output or an exception."""
+        if not self.ok:
+            raise JobFailed(self)
+        return self
 
     @classmethod
     def error(cls, request_id: str, code: ErrorCode, message: str, **kw: Any) -> ResultEnvelope:
