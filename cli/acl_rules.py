@@ -12,7 +12,8 @@ NOTE [ ACL roles ]
     and bound (XLEN, HGET) and whether a worker serves it (XINFO GROUPS); wait for and
     read results (GET, MGET, EXISTS, BLPOP of a done list or a reply list, LPOP and
     BLMPOP of a reply list) and delete what it has read (DEL of result, done, owner and reply keys,
-    as ``redbatch score`` does).
+    as ``redbatch score`` does); read which workers are alive (ZRANGE of the workers set,
+    GET/MGET of their heartbeat records: ``Client.workers``, ``is_ready``).
     It may not write a result or a done token (no SET, RPUSH there), change a bound,
     touch another model, or run any admin command.
   worker: everything ``redbatch worker`` sends: the consumer group (XGROUP CREATE,
@@ -120,6 +121,8 @@ def producer_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[st
     owners = [k.owner(_ANY) for k in models]
     answers = [key for k in models
                for key in (k.result(_ANY), k.done(_ANY), k.owner(_ANY), k.reply(_ANY))]
+    fleets = [k.workers() for k in models]
+    records = [k.worker(_ANY) for k in models]
     return (
         "-@all", *_connection(version), "+eval", "+evalsha",
         # EVAL declares its keys read-write, so the script's keys are the root's; what
@@ -130,6 +133,9 @@ def producer_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[st
         _selector(("exists", "get", "set"), _keys(*owners)),
         _selector(("get", "mget", "exists", "blpop", "lpop", "blmpop", "del"),
                   _keys(*answers)),
+        # Which workers are alive (Client.workers, is_ready): read only.
+        _selector(("zrange",), _keys(*fleets, mode="%R~")),
+        _selector(("mget", "get"), _keys(*records, mode="%R~")),
     )
 
 

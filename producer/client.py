@@ -41,6 +41,7 @@ from redbatch.common.protocol import (
     ProtocolError,
     RedbatchError,
     ResultEnvelope,
+    WorkerRecord,
 )
 from redbatch.common.redis_io import connect, connect_async
 from redbatch.producer.core import ClientCore, QueueState
@@ -50,7 +51,7 @@ from redbatch.producer.runners import AsyncInbox, AsyncRunner, BlockingRunner, S
 
 __all__ = ["AsyncClient", "Client", "DuplicateRequestId", "JobFailed", "ProtocolError",
            "QueueFull", "QueueState", "RedbatchError", "Result", "ResultTimeout",
-           "ResultUnreadable"]
+           "ResultUnreadable", "WorkerRecord"]
 
 Result = ResultEnvelope
 
@@ -120,6 +121,15 @@ class Client(ClientCore):
     def queue_state(self, lane: Lane | str, *, model: str | None = None) -> QueueState:
         """The lane's current backlog and bound."""
         return self._run(self._queue_state(lane, model))
+
+    def workers(self, *, model: str | None = None) -> list[WorkerRecord]:
+        """The model's live workers, from their heartbeats (each record: consumer, host,
+        pid, device, largest batch, jobs in flight, ...); one missed for about 6 s is gone."""
+        return self._run(self._workers(model))
+
+    def is_ready(self, *, model: str | None = None) -> bool:
+        """Whether a live worker serves the model, so that a job submitted now is run."""
+        return bool(self.workers(model=model))
 
     def result(self, request_id: str, timeout_s: float = 30.0, *,
                model: str | None = None) -> ResultEnvelope:
@@ -245,6 +255,14 @@ class AsyncClient(ClientCore):
     async def queue_state(self, lane: Lane | str, *, model: str | None = None) -> QueueState:
         """As :meth:`Client.queue_state`."""
         return await self._run(self._queue_state(lane, model))
+
+    async def workers(self, *, model: str | None = None) -> list[WorkerRecord]:
+        """As :meth:`Client.workers`."""
+        return await self._run(self._workers(model))
+
+    async def is_ready(self, *, model: str | None = None) -> bool:
+        """As :meth:`Client.is_ready`."""
+        return bool(await self.workers(model=model))
 
     async def result(self, request_id: str, timeout_s: float = 30.0, *,
                      model: str | None = None) -> ResultEnvelope:

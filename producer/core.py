@@ -25,6 +25,8 @@ from redbatch.common.protocol import (
     JobEnvelope,
     Keys,
     Lane,
+    ProtocolError,
+    WorkerRecord,
     error_reply_code,
     new_request_id,
     owner_ttl_ms,
@@ -169,6 +171,25 @@ class ClientCore:
         queued, raw = yield Pipelined((Command(("XLEN", keys.stream(lane))),
                                        Command(("HGET", keys.limits(), lane.value))))
         return QueueState(lane, int(queued), parse_queue_bound(raw))
+
+    def _workers(self, model: str | None) -> Steps[list[WorkerRecord]]:
+        """The live workers of the model: the members of its workers set whose heartbeat
+        record still exists (a record outlives three missed heartbeats, about 6 s), in two
+        round trips (ZRANGE, then MGET). A record that does not decode is left out."""
+        keys = self.keys(model)
+        names = yield Command(("ZRANGE", keys.workers(), 0, -1))
+        if not names:
+            return []
+        records = yield Command(("MGET", *(keys.worker(n.decode()) for n in names)))
+        live = []
+        for data in records:
+            if data is None:
+                continue  # gone: its record expired since the ZRANGE, or it stopped
+            try:
+                live.append(WorkerRecord.decode(data))
+            except ProtocolError:
+                continue
+        return live
 
     def _gathering(self, request_ids: Sequence[str], timeout_s: float, model: str | None,
                    inbox: Inbox) -> Gathering:

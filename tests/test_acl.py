@@ -123,6 +123,10 @@ def test_everything_documented_works_under_the_two_users(
         # Short leases: takeover, renewal and the departed-consumer script all run.
         worker, log = start(users["worker"], "--reclaim-idle-ms", "300")
         with Client(users["producer"]) as client:
+            ready_by = time.monotonic() + 20  # its first heartbeat may follow its joining
+            while not client.is_ready() and time.monotonic() < ready_by:
+                time.sleep(0.1)
+            assert [w.pid for w in client.workers()] == [worker.pid]
             assert client.result(stranded, timeout_s=120).ok  # taken over from "gone"
             assert client.predict(photos[0].read_bytes(), timeout_s=120).ok
             ids = client.submit_many([p.read_bytes() for p in photos], timeout_s=120)
@@ -172,6 +176,9 @@ def test_a_producer_may_not_answer_take_over_or_administer(
         "read the jobs (payloads)": lambda: p.xrange(KEYS.stream(Lane.BULK)),
         "XREADGROUP": lambda: p.xreadgroup("workers", "c", {KEYS.stream(Lane.BULK): ">"}),
         "HSET limits": lambda: p.hset(KEYS.limits(), "bulk", 1),
+        "ZADD workers (a fake worker)": lambda: p.zadd(KEYS.workers(), {"fake": 1}),
+        "SET a worker record": lambda: p.set(KEYS.worker("fake"), b"x"),
+        "DEL a worker record": lambda: p.delete(KEYS.worker("fake")),
         "DEL a stream": lambda: p.delete(KEYS.stream(Lane.BULK)),
         "SET a stream": lambda: p.set(KEYS.stream(Lane.BULK), b"x"),
         "the DLQ": lambda: p.xrange(KEYS.dlq()),

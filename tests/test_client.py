@@ -441,3 +441,27 @@ def test_an_error_result_is_a_value_or_raises_on_request(
         return None
 
     assert asyncio.run(run()) is ErrorCode.BAD_IMAGE
+
+
+def test_readiness_follows_the_workers_heartbeats(
+        redis_url: str, start_worker: WorkerFactory) -> None:
+    """``is_ready``/``workers`` read the heartbeat records: none before a worker starts, its
+    own record while it runs, none once it stopped (a clean stop deletes its record)."""
+    from redbatch.cli.local_stack import stop_worker
+
+    with Client(redis_url, model="null") as client:
+        assert client.workers() == [] and not client.is_ready()
+        proc = start_worker(model="null")
+        ready_by = time.monotonic() + 20  # its first heartbeat may follow its joining
+        while not client.is_ready() and time.monotonic() < ready_by:
+            time.sleep(0.1)
+        (record,) = client.workers()
+        assert record.pid == proc.pid and record.max_batch_size >= 1 and record.consumer
+
+        async def ready() -> bool:
+            async with AsyncClient(redis_url, model="null") as aclient:
+                return await aclient.is_ready() and len(await aclient.workers()) == 1
+
+        assert asyncio.run(ready())
+        assert stop_worker(proc) == 0
+        assert not client.is_ready()
