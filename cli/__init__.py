@@ -13,6 +13,7 @@ One module per command group, each importing downward only:
     queues.py         limit, dlq: bound a lane's queue; list, replay, purge dead letters
     fleet.py          status, top: a running fleet, once or live
     acl.py            acl: least-privilege Redis users
+    errors.py         how an ordinary mistake is said: one line and an exit code
 
 Beside them live what the commands use: the private-stack supervisors
 (``local_stack.py``, ``redis_server.py``), the fleet status reader and view
@@ -22,6 +23,7 @@ Beside them live what the commands use: the private-stack supervisors
 import click
 from redbatch import __version__
 from redbatch.cli import acl, calibrate, fleet, queues, score, submit, worker
+from redbatch.cli.errors import ordinary
 
 HELP = """redbatch: dynamic-batching PyTorch inference over Redis streams.
 
@@ -38,7 +40,22 @@ Watch queues, workers and latency (once, or live):
 """
 
 
-@click.group(help=HELP)
+class _Main(click.Group):
+    """The group, turning ordinary errors of any command into one line (see ``ordinary``)."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except (Exception, KeyboardInterrupt) as e:
+            one_line = ordinary(e)
+            if one_line is None:
+                raise
+            raise one_line from None
+
+
+@click.group(cls=_Main, help=HELP)
 @click.version_option(__version__, prog_name="redbatch")
 def main() -> None:
     """The ``redbatch`` group; its commands are added below."""

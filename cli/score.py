@@ -8,6 +8,7 @@ into one line and an exit code.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import click
 import redis
 from redbatch.cli import options as o
+from redbatch.cli.errors import BadInput
 from redbatch.cli.local_stack import count_consumers
 from redbatch.cli.redis_target import redis_for
 from redbatch.cli.signals import signals_raise, signals_stop
@@ -63,6 +65,9 @@ def score(inputs: tuple[str, ...], output: str, fmt: str | None, resume: bool,
     if Path(output).exists() and not (resume or overwrite):
         raise click.ClickException(f"{output} exists: use --resume to finish it or "
                                    "--overwrite to replace it")
+    check_output_folder(output)
+    if next(iter(iter_items(inputs)), None) is None:  # checked before anything starts
+        raise BadInput(f"nothing to score: no image in {', '.join(inputs)}")
     settings = ScoreSettings(window=window, lane=Lane(lane), timeout_s=timeout_s,
                              grace_s=grace_s)
     existed = Path(output).exists()
@@ -78,6 +83,16 @@ def score(inputs: tuple[str, ...], output: str, fmt: str | None, resume: bool,
         raise click.ClickException(f"Redis refused: {e}; the output holds what was "
                                    "finished, rerun with --resume") from e
     sys.exit(0 if complete else 130)
+
+
+def check_output_folder(output: str) -> None:
+    """BadInput (exit code 2) unless the output's folder exists and is writable:
+    checked before a private stack starts, not after."""
+    folder = Path(output).absolute().parent
+    if not folder.is_dir():
+        raise BadInput(f"the folder of -o {output} does not exist: {folder}")
+    if not os.access(folder, os.W_OK):
+        raise BadInput(f"cannot write into the folder of -o {output}: {folder}")
 
 
 def _remove_if_empty(output: str, fmt: str, existed: bool) -> None:

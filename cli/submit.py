@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import click
 from redbatch.cli import options as o
+from redbatch.cli.errors import BadInput
 from redbatch.cli.redis_target import redis_for
 from redbatch.cli.signals import signals_raise
 from redbatch.common.logs import setup_logging
@@ -28,6 +30,12 @@ def submit(files: tuple[str, ...], wait: bool, timeout_s: float, lane: str,
     """Submit image FILES (or folders of images); print one JSON line per file."""
     setup_logging(options["log_level"])
     paths = [Path(item.path) for item in iter_items(files)]
+    # Checked before anything starts: a private stack takes seconds to say "nothing".
+    if not paths:
+        raise BadInput(f"nothing to submit: no image in {', '.join(files)}")
+    if not any(path.is_file() and os.access(path, os.R_OK) for path in paths):
+        raise BadInput(f"cannot read any of the files: {', '.join(map(str, paths))}"
+                               [:300])
     # The private stack goes away when we return, so its results are always awaited.
     wait = wait or not options["redis_url"]
     with signals_raise(), redis_for(options) as url:

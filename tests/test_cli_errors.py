@@ -1,0 +1,101 @@
+"""Ordinary mistakes get one line, not a traceback: each runs ``redbatch`` as a user would,
+in a subprocess, and checks stderr's last line, the exit code, and that nothing was
+started for inputs that cannot work (checked before a private stack would start)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SAMPLES
+
+CAT = str(SAMPLES / "cat.jpg")
+#: Inputs checked before anything starts are refused within this (Python's start and the
+#: imports included); a private redis-server and worker would take 5-8 s more here.
+QUICK_S = 9.0
+
+
+def redbatch(*args: str, timeout_s: float = 120) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run the CLI with no REDBATCH_* settings; the result and how long it took, s."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "redbatch.cli", *args], env=env,
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                          timeout=timeout_s)
+    return proc, time.monotonic() - started
+
+
+def said(proc: subprocess.CompletedProcess[str] | subprocess.Popen[str], stderr: str,
+         rc: int, starts: str) -> None:
+    """Exit code ``rc``, no traceback, and stderr's last line starts with ``starts``."""
+    assert proc.returncode == rc, (proc.returncode, stderr[-2000:])
+    assert "Traceback" not in stderr, stderr[-2000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(starts), stderr[-2000:]
+
+
+@pytest.fixture
+def dead_redis() -> str:
+    """The URL of a loopback port nothing listens on (bound and closed: connection refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"redis://127.0.0.1:{port}/0"
+
+
+@pytest.mark.parametrize("command", [("submit", CAT), ("status",), ("limit",),
+                                     ("dlq", "list")])
+def test_an_unreachable_redis_is_one_line(dead_redis: str, command: tuple[str, ...]) -> None:
+    args = [command[0], "--redis", dead_redis, *command[1:]] if command[0] != "dlq" else \
+        ["dlq", command[1], "--redis", dead_redis]
+    proc, _ = redbatch(*args)
+    said(proc, proc.stderr, 1, "Error: cannot reach Redis: ")
+
+
+def test_a_worker_stopped_while_it_waits_for_redis_says_so_in_one_line(
+        dead_redis: str, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    proc = subprocess.Popen([sys.executable, "-m", "redbatch.cli", "worker", "--redis",
+                             dead_redis, "--model", "null", "--calibrate", "off",
+                             "--metrics-port", "0"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        assert proc.stderr is not None
+        for line in proc.stderr:  # wait until it is waiting for Redis
+            if "Redis not reachable" in line or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    said(proc, rest, 1, "Error: cannot reach Redis: stopped while waiting for Redis")
+
+
+@pytest.mark.parametrize("case", ["no scheme", "missing output folder", "empty folder",
+                                  "empty folder (submit)", "unreadable file"])
+def test_inputs_that_cannot_work_are_refused_before_anything_starts(
+        case: str, tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    args, starts = {
+        "no scheme": (["submit", "--redis", "localhost:6379", CAT], "Error: Invalid value"),
+        "missing output folder": (["score", CAT, "-o", str(tmp_path / "nope" / "x.jsonl")],
+                                  "Error: the folder of -o "),
+        "empty folder": (["score", str(empty), "-o", str(tmp_path / "x.jsonl")],
+                         "Error: nothing to score"),
+        "empty folder (submit)": (["submit", str(empty)], "Error: nothing to submit"),
+        "unreadable file": (["submit", str(tmp_path / "nope.jpg")],
+                            "Error: cannot read any of the files"),
+    }[case]
+    proc, took = redbatch(*args)
+    said(proc, proc.stderr, 2, starts)
+    assert took < QUICK_S, f"took {took:.1f} s: something started"
+    assert "private redis-server" not in proc.stderr, "nothing may start"
+    assert not (tmp_path / "x.jsonl").exists()
