@@ -18,7 +18,6 @@ import click
 import redis
 from redbatch.cli import options as o
 from redbatch.cli.errors import BadInput
-from redbatch.cli.local_stack import count_consumers
 from redbatch.cli.redis_target import redis_for
 from redbatch.cli.signals import signals_raise, signals_stop
 from redbatch.common.config import default_of
@@ -29,6 +28,7 @@ from redbatch.producer.client import Client
 from redbatch.producer.inputs import ManifestError, count_items, iter_items
 from redbatch.producer.output import DoneIndex, OutputWriter
 from redbatch.producer.progress import Progress
+from redbatch.producer.watch import WorkerWatch
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +113,6 @@ def _score(inputs: tuple[str, ...], output: str, fmt: str, resume: bool,
     name = o.served_name(options)
     with signals_raise(), redis_for(options) as url, \
             Client(url, model=name, prefix=options["prefix"]) as client:
-        if count_consumers(client.redis, client.keys()) == 0:
-            logger.warning("no worker is serving model %r yet; jobs wait in Redis until one "
-                           "starts", name)
         writer = OutputWriter(output, fmt, append=resume)
         scorer = BulkScorer(client, writer, settings, done)
         scorer.progress = progress = Progress(scorer.stats)
@@ -123,7 +120,7 @@ def _score(inputs: tuple[str, ...], output: str, fmt: str, resume: bool,
         threading.Thread(target=lambda: setattr(progress, "total", count_items(inputs)),
                          name="count-inputs", daemon=True).start()
         try:
-            with signals_stop(scorer.stop, scorer.stop):
+            with signals_stop(scorer.stop, scorer.stop), WorkerWatch(client, name):
                 complete = scorer.run(iter_items(inputs))
         finally:
             writer.close()

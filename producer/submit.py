@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from redbatch.common.config import DEFAULT_MAX_PAYLOAD_BYTES
 from redbatch.common.protocol import Lane
 from redbatch.producer.client import Client, QueueFull, ResultTimeout
 from redbatch.producer.errors import RESULT_TIMEOUT
+from redbatch.producer.watch import WorkerWatch
 
 #: Files submitted per pipelined round trip.
 CHUNK = 256
@@ -51,7 +53,8 @@ def submit_files(redis_url: str, paths: list[Path], *, model: str, prefix: str, 
     """
     ok = True
     limit = DEFAULT_MAX_PAYLOAD_BYTES
-    with Client(redis_url, model=model, prefix=prefix) as client:
+    with Client(redis_url, model=model, prefix=prefix) as client, \
+            WorkerWatch(client, model) if wait else nullcontext():
         for chunk in _chunks(paths):
             submitted: list[tuple[Path, str]] = []
             for path in chunk:

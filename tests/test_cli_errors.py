@@ -99,3 +99,13 @@ def test_inputs_that_cannot_work_are_refused_before_anything_starts(
     assert took < QUICK_S, f"took {took:.1f} s: something started"
     assert "private redis-server" not in proc.stderr, "nothing may start"
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_a_wait_with_no_worker_alive_says_so_within_seconds(redis_url: str) -> None:
+    """No worker serves the model: ``submit --wait`` warns within seconds (from the
+    heartbeats in Redis), not only when its timeout ends."""
+    proc, took = redbatch("submit", "--wait", "--redis", redis_url, "--model-name",
+                          "nobody_serves_this", "--timeout-s", "8", CAT)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "no worker of model 'nobody_serves_this' is alive" in proc.stderr, proc.stderr
+    assert '"code": "timeout"' in proc.stdout
