@@ -7,6 +7,11 @@ from __future__ import annotations
 
 import click
 
+#: What a worker imports beyond the client's own dependencies (pyproject's ``worker``
+#: extra, by import name), and how to get them.
+WORKER_MODULES = ("torch", "numpy", "PIL", "prometheus_client")
+WORKER_EXTRA = "pip install 'redbatch[worker]'"
+
 
 class OrdinaryError(click.ClickException):
     """A mistake or a state of the world the user can fix, said in one line (``Error: ...``
@@ -38,6 +43,10 @@ def ordinary(e: BaseException) -> OrdinaryError | None:
         return OrdinaryError(f"Redis refused a command (check the user's ACL): {e}")
     if isinstance(e, RedbatchError):
         return OrdinaryError(str(e))
+    if isinstance(e, ModuleNotFoundError) and e.name is not None and \
+            e.name.split(".")[0] in WORKER_MODULES:
+        return OrdinaryError(f"this command needs the worker's dependencies: {WORKER_EXTRA} "
+                             f"(missing: {e.name})")
     if isinstance(e, OSError) and e.filename is not None:
         return OrdinaryError(f"{e.strerror or e}: {e.filename}")
     return None

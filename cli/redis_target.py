@@ -8,17 +8,25 @@ URLs they made themselves. The producer's ``Client`` builds its own the same way
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import click
 import redis
+from redbatch.cli.errors import WORKER_EXTRA, WORKER_MODULES, OrdinaryError
 from redbatch.cli.local_stack import LocalStack
 from redbatch.cli.options import served_name
 from redbatch.cli.redis_server import RedisServerError
 from redbatch.common.config import RedisSettings
 from redbatch.common.redis_io import connect
+
+
+def missing_worker_modules() -> list[str]:
+    """The worker's modules this environment lacks: [] in a worker install; all of them in a
+    client-only one (``pip install redbatch``)."""
+    return [name for name in WORKER_MODULES if importlib.util.find_spec(name) is None]
 
 
 def connect_to(url: str, prefix: str | None = None) -> redis.Redis:
@@ -48,6 +56,11 @@ def redis_for(options: dict[str, Any]) -> Iterator[str]:
     if options["redis_url"]:
         yield options["redis_url"]
         return
+    missing = missing_worker_modules()
+    if missing:
+        raise OrdinaryError(f"without --redis this command starts a private worker, which "
+                            f"needs {WORKER_EXTRA} (missing: {', '.join(missing)}); or give "
+                            "--redis the URL of a Redis that workers serve")
     try:
         # The private worker's start-up lines would bury the command's own output.
         quiet = [] if options["log_level"].upper() == "DEBUG" else ["--log-level", "WARNING"]

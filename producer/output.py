@@ -11,10 +11,10 @@ import hashlib
 import io
 import json
 import os
-from collections.abc import Iterator
+from array import array
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator
 from typing import IO, Any
-
-import numpy as np
 
 FORMATS = ("jsonl", "csv")
 CSV_COLUMNS = ["id", "path", "status", "label", "class_id", "score", "error_code",
@@ -109,27 +109,29 @@ class DoneIndex:
 
     Eight bytes per scored input (8 MB for a million) instead of a set of
     strings; a hash collision (odds about n^2 / 2^65) would skip one input.
+    Standard library only (``array`` and ``bisect``), so that a client-only install
+    (no numpy) resumes too; sorting briefly holds the hashes as Python ints (about
+    40 bytes each) while the index is built.
     """
 
-    def __init__(self, hashes: np.ndarray) -> None:
-        self._hashes = np.unique(hashes)
+    def __init__(self, hashes: Iterable[int]) -> None:
+        self._hashes = array("Q", sorted(set(hashes)))
 
     @classmethod
     def empty(cls) -> DoneIndex:
-        return cls(np.empty(0, dtype=np.uint64))
+        return cls(())
 
     @classmethod
     def from_output(cls, path: str, fmt: str) -> DoneIndex:
         if not os.path.exists(path):
             return cls.empty()
         drop_partial_last_line(path)
-        hashes = np.fromiter((_id_hash(i) for i in _ids_in(path, fmt)), dtype=np.uint64)
-        return cls(hashes)
+        return cls(_id_hash(i) for i in _ids_in(path, fmt))
 
     def __len__(self) -> int:
         return len(self._hashes)
 
     def __contains__(self, item_id: str) -> bool:
-        h = np.uint64(_id_hash(item_id))
-        i = int(np.searchsorted(self._hashes, h))
+        h = _id_hash(item_id)
+        i = bisect_left(self._hashes, h)
         return i < len(self._hashes) and self._hashes[i] == h

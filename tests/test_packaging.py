@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from email.parser import Parser
 from pathlib import Path
 
 import pytest
+from conftest import SAMPLES
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = ("import importlib.util, redbatch, redbatch.common.protocol, redbatch.producer.client, "
@@ -86,3 +89,62 @@ def test_console_script_runs() -> None:
     exe = Path(sys.executable).parent / "redbatch"
     out = subprocess.run([str(exe), "--version"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "redbatch" in out.stdout
+
+
+def test_the_wheel_says_its_license_and_what_it_is(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        meta = Parser().parsestr(zf.read(next(n for n in names
+                                              if n.endswith(".dist-info/METADATA"))).decode())
+        licence = zf.read(next(n for n in names if n.endswith("licenses/LICENSE"))).decode()
+    assert meta["License-Expression"] == "Apache-2.0" and "Apache License" in licence
+    assert (ROOT / "LICENSE").read_text() == licence
+    classifiers = meta.get_all("Classifier") or []
+    assert "Typing :: Typed" in classifiers and any("Python :: 3.11" in c for c in classifiers)
+
+
+@pytest.fixture(scope="module")
+def client_only(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A virtual environment holding the wheel and its base requirements only (as ``pip
+    install redbatch`` makes one): redis, hiredis, msgpack and click are linked from this
+    one (offline), and numpy, torch, Pillow and prometheus_client cannot be imported."""
+    root = tmp_path_factory.mktemp("client-only")
+    subprocess.run([sys.executable, "-m", "venv", str(root / "venv")], check=True,
+                   timeout=300)
+    deps = root / "deps"
+    deps.mkdir()
+    for name in ("redis", "hiredis", "msgpack", "click"):
+        module = __import__(name)
+        assert module.__file__ is not None
+        (deps / name).symlink_to(Path(module.__file__).parent)
+    site = next((root / "venv" / "lib").glob("python3*/site-packages"))
+    (site / "client-deps.pth").write_text(f"{deps}\n")
+    python = root / "venv" / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    probe = subprocess.run([str(python), "-c", "import numpy"], capture_output=True)
+    assert probe.returncode != 0, "the client-only venv must not see numpy"
+    return root / "venv" / "bin" / "redbatch"
+
+
+def test_a_client_only_install_scores_and_says_what_a_worker_needs(
+        client_only: Path, redis_url: str, start_worker: Callable[..., object],
+        tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(client_only), *args], env=env, capture_output=True,
+                              text=True, stdin=subprocess.DEVNULL, timeout=300)
+
+    for args in (["worker", "--redis", redis_url], ["submit", str(SAMPLES / "cat.jpg")]):
+        proc = run(*args)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert "pip install 'redbatch[worker]'" in proc.stderr.strip().splitlines()[-1]
+    start_worker(model="null")  # from this (worker) environment
+    out = tmp_path / "scores.jsonl"
+    for resume in ([], ["--resume"]):  # --resume reads the output back without numpy
+        proc = run("score", str(SAMPLES), "-o", str(out), "--redis", redis_url,
+                   "--model", "null", *resume)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert records and all(r["status"] == "ok" for r in records), records
