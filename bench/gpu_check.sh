@@ -51,7 +51,7 @@ OUT=${ARGS[0]:-$ROOT/bench/out/gpu-check-$(date +%Y%m%d-%H%M%S)}
 # Time limits per step (s) sum to under 6 minutes; the CPU is slower at everything, so a
 # --cpu run gets four times as long (its figures are not the point).
 if [ "$QUICK" = 1 ]; then
-  CALIBRATE_ARGS=(--max-batch 4 --runs 2 --warmup-runs 1)
+  CALIBRATE_ARGS=(--max-batch-size 4 --runs 2 --warmup-runs 1)
   SWEEP_ARGS=(--sizes "1,2,4" --seconds 2 --warmup-s 1)
   LOAD_ARGS=(--levels "0.3,0.7" --seconds 3 --capacity-s 3 --warmup-s 1)
   CEILING_ARGS=(--seconds 3 --warmup-s 1 --gil-s 2)

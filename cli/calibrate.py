@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 # The sweep's own budget, given per run: no variable, and no limit unless given.
 @o.LATENCY_BUDGET_MS(envvar=None, default=None,
                      help="Largest p95 latency of one batch, ms; sizes over it are not chosen.")
-@click.option("--max-batch", type=click.IntRange(min=1), default=None,
+@click.option("--max-batch-size", "--max-batch", "max_batch", type=click.IntRange(min=1),
+              default=None,
               help="Largest batch size tried [default: 64 on CPU, 512 on CUDA; the sweep "
                    "also stops at the free-memory watermark or when throughput falls].")
 @click.option("--runs", type=click.IntRange(min=1), default=7, show_default=True,

@@ -151,7 +151,9 @@ def _lane_status(lane: Lane, length: Any, groups: Any, records: list[RecentResul
         lag = max(0, length - pending)
     mine = [x for x in records if x.lane is lane]
     done, per_s = _window(mine, now_ms, window_s)
-    totals = sorted(x.total_ms for x in done if x.total_ms is not None)
+    # Latency of ok results only, as the Prometheus histograms count it: an error answered
+    # at once (expired, bad input) would pull the percentiles down.
+    totals = sorted(x.total_ms for x in done if x.total_ms is not None and x.outcome == "ok")
     return LaneStatus(lane.value, length, pending, int(lag), len(done),
                       sum(x.outcome != "ok" for x in done), per_s,
                       _percentile(totals, 0.50), _percentile(totals, 0.99))

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,7 @@ def score(inputs: tuple[str, ...], output: str, fmt: str | None, resume: bool,
     Per-input failures are records in the output; the exit code is non-zero only when
     the run could not complete (1) or was interrupted (130; rerun with --resume).
     """
+    started = time.monotonic()
     setup_logging(options["log_level"])
     fmt = fmt or ("csv" if output.lower().endswith(".csv") else "jsonl")
     if Path(output).exists() and not (resume or overwrite):
@@ -72,7 +74,7 @@ def score(inputs: tuple[str, ...], output: str, fmt: str | None, resume: bool,
                              grace_s=grace_s)
     existed = Path(output).exists()
     try:
-        complete = _score(inputs, output, fmt, resume, settings, options)
+        complete = _score(inputs, output, fmt, resume, settings, options, started)
     except ManifestError as e:
         _remove_if_empty(output, fmt, existed)
         raise click.ClickException(str(e)) from e
@@ -107,14 +109,16 @@ def _remove_if_empty(output: str, fmt: str, existed: bool) -> None:
 
 
 def _score(inputs: tuple[str, ...], output: str, fmt: str, resume: bool,
-           settings: ScoreSettings, options: dict[str, Any]) -> bool:
-    """Run the scorer to the end or to a stop signal; True when every input was done."""
+           settings: ScoreSettings, options: dict[str, Any], started: float) -> bool:
+    """Run the scorer to the end or to a stop signal; True when every input was done.
+    ``started``: when the command began (monotonic), for the summary's start-up time."""
     done = DoneIndex.from_output(output, fmt) if resume else DoneIndex.empty()
     name = o.served_name(options)
     with signals_raise(), redis_for(options) as url, \
             Client(url, model=name, prefix=options["prefix"]) as client:
         writer = OutputWriter(output, fmt, append=resume)
         scorer = BulkScorer(client, writer, settings, done)
+        scorer.stats.startup_s = time.monotonic() - started
         scorer.progress = progress = Progress(scorer.stats)
         # Counting a large tree or manifest takes a while; the run need not wait for it.
         threading.Thread(target=lambda: setattr(progress, "total", count_items(inputs)),

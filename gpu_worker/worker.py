@@ -22,7 +22,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
-from redbatch.common.config import Settings
+from redbatch.common.config import Settings, redact_url
 from redbatch.common.redis_io import connect
 from redbatch.gpu_worker.batcher import LatencyEstimator
 from redbatch.gpu_worker.events import Channels, Control
@@ -65,8 +65,13 @@ class Worker:
     def run(self) -> None:
         """Start, serve until stopped, and always tear down (NOTE [ Worker shutdown ])."""
         s = self.settings
-        logger.info("starting worker %s for model %s: %r", s.consumer,
-                    s.model.served_name, s)
+        pool = s.pool.processes or "auto"
+        logger.info("starting worker %s for model %s (%s): redis=%r prefix=%r device=%s "
+                    "max_batch=%d max_wait_ms=%g max_inflight=%d pool=%s calibrate=%s",
+                    s.consumer, s.model.served_name, s.model.spec, redact_url(s.redis.url),
+                    s.redis.prefix, s.model.device, s.batch.max_batch_size,
+                    s.batch.max_wait_ms, s.batch.max_inflight, pool, s.tune.calibrate)
+        logger.debug("all settings: %r", s)
         with ExitStack() as stack:
             stack.callback(logger.info, "worker %s stopped", s.consumer)
             metrics_on = bool(s.metrics_port) and self._start_metrics(stack)

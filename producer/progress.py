@@ -46,6 +46,9 @@ class RunStats:
         self.batch_sizes: Counter[int] = Counter()
         self.latency = LatencyHistogram()
         self.skipped = 0
+        #: Seconds the command spent before scoring began (a private Redis and worker
+        #: starting, the output read back for --resume), for the summary.
+        self.startup_s = 0.0
 
     @property
     def done(self) -> int:
@@ -67,8 +70,9 @@ class RunStats:
         outcomes = ", ".join(f"{k}: {v}" for k, v in sorted(self.outcomes.items())) or "none"
         lat = self.latency
         lines = [
-            f"scored {self.done} inputs in {elapsed:.1f} s ({self.rate():.1f}/s); "
-            f"skipped {self.skipped} already in the output",
+            f"scored {self.done} inputs in {elapsed:.1f} s ({self.rate():.1f}/s), "
+            f"{elapsed + self.startup_s:.1f} s in all with {self.startup_s:.1f} s of "
+            f"start-up; skipped {self.skipped} already in the output",
             f"outcomes: {outcomes}",
             f"latency p50 {lat.percentile(50):.0f} ms, p95 {lat.percentile(95):.0f} ms, "
             f"p99 {lat.percentile(99):.0f} ms",
@@ -94,6 +98,7 @@ class Progress:
         self._tty = stream.isatty()
         self._every = 0.2 if self._tty else plain_every_s
         self._last = 0.0
+        self._written = (-1, -1)  # (done, skipped) of the last line written
 
     def line(self) -> str:
         done, rate = self.stats.done, self.stats.rate()
@@ -111,10 +116,12 @@ class Progress:
         if not force and now - self._last < self._every:
             return
         self._last = now
+        counts = (self.stats.done, self.stats.skipped)
         if self._tty:
             self.stream.write("\r" + self.line() + "\x1b[K")
-        else:
+        elif counts != self._written:  # off a terminal, no second line for the same counts
             self.stream.write(self.line() + "\n")
+        self._written = counts
         self.stream.flush()
 
     def finish(self) -> None:

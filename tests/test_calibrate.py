@@ -73,7 +73,7 @@ def test_sweep_stops_when_throughput_falls_plateaus_or_passes_the_budget() -> No
 
 def test_calibrate_writes_a_profile_and_prints_the_table(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
-    proc = calibrate("--max-batch", "4", "--runs", "2", "--warmup-runs", "1", "--no-compile",
+    proc = calibrate("--max-batch-size", "4", "--runs", "2", "--warmup-runs", "1", "--no-compile",
                      "--latency-budget-ms", "5000", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "choice:" in proc.stdout and f"profile written to {out}" in proc.stdout

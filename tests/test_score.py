@@ -552,3 +552,21 @@ def test_two_workers_share_one_run(redis_url: str, start_worker: WorkerFactory,
     print(f"\nrecords per worker: {dict(shares)}")
     assert len(shares) == 2 and "" not in shares, shares
     assert min(shares.values()) > 0.1 * len(records), shares
+
+
+def test_the_last_progress_line_is_said_once_off_a_terminal_and_the_summary_counts_start_up(
+) -> None:
+    import io
+
+    from redbatch.producer.progress import Progress, RunStats
+
+    stats = RunStats()
+    stats.add("ok", 12.0, 4)
+    stats.startup_s = 6.5
+    out = io.StringIO()  # not a terminal: plain lines
+    progress = Progress(stats, stream=out)
+    progress.update(force=True)
+    progress.finish()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("1 scored"), lines
+    assert "with 6.5 s of start-up" in stats.summary()
