@@ -111,13 +111,17 @@ _tuning_options = together(
     o.PROFILE_DIR(),
     o.LATENCY_BUDGET_MS(help="p95 batch latency allowed when calibrating, ms (0: no limit)."),
     opt("--channels-last/--no-channels-last", env="CHANNELS_LAST",
-        default=default_of(ModelSettings, "channels_last"),
-        help="Run the model in channels_last memory format (default: the profile's)."),
+        default=default_of(ModelSettings, "channels_last"), show_default=False,
+        help="Run the model in channels_last memory format [default: the calibration "
+             "profile's; without one, off]."),
     opt("--autocast", env="AUTOCAST", type=click.Choice(sorted(AUTOCAST)),
-        default=_AUTOCAST_WORD[default_of(ModelSettings, "autocast")],
-        help="Autocast precision (default: the profile's; fp16/bf16 mainly for CUDA)."),
+        default=_AUTOCAST_WORD[default_of(ModelSettings, "autocast")], show_default=False,
+        help="Autocast precision, fp16/bf16 mainly for CUDA [default: the calibration "
+             "profile's; without one, off]."),
     opt("--compile/--no-compile", env="COMPILE", default=default_of(ModelSettings, "compile"),
-        help="torch.compile the model; batches are padded to the compiled sizes."),
+        show_default=False,
+        help="torch.compile the model; batches are padded to the compiled sizes [default: "
+             "the calibration profile's; without one, off]."),
     o.MEMORY_WATERMARK(help="CUDA: share of device memory kept free by lowering the "
                             "batch limit."),
 )

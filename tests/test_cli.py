@@ -37,6 +37,10 @@ def test_help_names_commands_and_variables() -> None:
     for var in ("REDBATCH_MAX_BATCH_SIZE", "REDBATCH_MAX_WAIT_MS", "REDBATCH_DEVICE",
                 "REDBATCH_POOL_PROCESSES", "REDBATCH_MODEL"):
         assert var in out
+    # What the calibration profile decides shows no fixed default.
+    flat = " ".join(out.split())
+    assert "default: no-channels-last" not in flat and "default: no-compile" not in flat
+    assert flat.count("the calibration profile's; without one, off") == 3
 
 
 def test_flags_build_one_settings_object() -> None:
