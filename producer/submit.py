@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 from redbatch.common.config import DEFAULT_MAX_PAYLOAD_BYTES
-from redbatch.common.protocol import Lane
+from redbatch.common.protocol import Lane, ResultEnvelope
 from redbatch.producer.client import Client, QueueFull, ResultTimeout
 from redbatch.producer.errors import RESULT_TIMEOUT
+from redbatch.producer.output import record
 from redbatch.producer.watch import WorkerWatch
 
 #: Files submitted per pipelined round trip.
@@ -45,7 +47,9 @@ def _read(path: Path, max_bytes: int) -> bytes | str:
 
 def submit_files(redis_url: str, paths: list[Path], *, model: str, prefix: str, wait: bool,
                  timeout_s: float, lane: str = Lane.INTERACTIVE.value) -> bool:
-    """Submit every file, then (with ``wait``) print each result in input order.
+    """Submit every file, then (with ``wait``) print each result in input order, one record
+    each in the schema ``redbatch score`` writes (``output.record``: id, path, status,
+    output or error, latency_ms, batch_size, worker; the id is the job's request id).
 
     Returns False when some file could not be submitted (unreadable, or refused by
     admission control: ``queue_full``) or a result did not arrive in time; per-file
@@ -56,13 +60,12 @@ def submit_files(redis_url: str, paths: list[Path], *, model: str, prefix: str, 
     with Client(redis_url, model=model, prefix=prefix) as client, \
             WorkerWatch(client, model) if wait else nullcontext():
         for chunk in _chunks(paths):
-            submitted: list[tuple[Path, str]] = []
+            submitted: list[tuple[Path, str, float]] = []
             for path in chunk:
                 data = _read(path, limit)
                 if isinstance(data, str):
                     ok = False
-                    _emit({"file": str(path), "status": "error",
-                           "error": {"code": "unreadable_file", "message": data}})
+                    _emit(record("", str(path), "error", error=("unreadable_file", data)))
                     continue
                 try:
                     rid = client.submit(data, timeout_s=timeout_s, lane=lane,
@@ -70,26 +73,40 @@ def submit_files(redis_url: str, paths: list[Path], *, model: str, prefix: str, 
                                                                        "application/octet-stream"))
                 except QueueFull as e:
                     ok = False
-                    _emit({"file": str(path), "status": "error",
-                           "error": {"code": e.code.value, "message": e.message}})
+                    _emit(record("", str(path), "error", error=(e.code.value, e.message)))
                     continue
-                submitted.append((path, rid))
+                submitted.append((path, rid, time.monotonic()))
             ok &= _report(client, submitted, wait, timeout_s)
     return ok
 
 
-def _report(client: Client, submitted: list[tuple[Path, str]], wait: bool,
+def _report(client: Client, submitted: list[tuple[Path, str, float]], wait: bool,
             timeout_s: float) -> bool:
-    ok = True
-    for path, rid in submitted:
-        if not wait:
-            _emit({"file": str(path), "id": rid})
+    """Print the chunk's records in input order; latency_ms is from submitting to the
+    result's arrival, as ``score`` measures it (results are taken as they finish)."""
+    if not wait:
+        for path, rid, _ in submitted:
+            _emit(record(rid, str(path), "submitted"))
+        return True
+    arrived: dict[str, tuple[ResultEnvelope, float]] = {}
+    try:
+        for result in client.as_completed([rid for _, rid, _ in submitted], timeout_s):
+            arrived[result.request_id] = (result, time.monotonic())
+    except ResultTimeout:
+        pass  # the ones missing are written as timeouts below
+    for path, rid, sent in submitted:
+        if rid not in arrived:
+            _emit(record(rid, str(path), "error",
+                         error=(RESULT_TIMEOUT, f"no result within {timeout_s:g}s")))
             continue
-        try:
-            _emit({"file": str(path), **client.result(rid, timeout_s).to_dict()})
-        except ResultTimeout:
-            ok = False
-            _emit({"file": str(path), "id": rid, "status": RESULT_TIMEOUT,
-                   "error": {"code": RESULT_TIMEOUT,
-                             "message": f"no result within {timeout_s:g}s"}})
-    return ok
+        result, at = arrived[rid]
+        latency_ms = (at - sent) * 1000
+        if result.ok:
+            _emit(record(rid, str(path), "ok", output=result.output, latency_ms=latency_ms,
+                         batch_size=result.batch_size, worker=result.worker))
+        else:
+            code = result.error_code.value if result.error_code else "internal"
+            _emit(record(rid, str(path), "error", error=(code, result.error_message),
+                         latency_ms=latency_ms, batch_size=result.batch_size,
+                         worker=result.worker))
+    return len(arrived) == len(submitted)

@@ -175,7 +175,7 @@ def test_submit_command_prints_queue_full_and_exits_1(
     result = CliRunner().invoke(main, ["submit", "--redis", redis_url, *files])
     assert result.exit_code == 1, result.output
     lines = [json.loads(line) for line in result.output.splitlines()]
-    assert [line["file"] for line in lines] == files
+    assert [line["path"] for line in lines] == files
     for line in lines:
         assert line["status"] == "error" and line["error"]["code"] == "queue_full", line
         assert "bound of 1" in line["error"]["message"]

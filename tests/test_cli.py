@@ -83,9 +83,15 @@ def test_submit_prints_one_json_line_per_file(redis_url: str, start_worker: Work
                                        str(SAMPLES / "cat.jpg"), str(bad)])
     assert result.exit_code == 0, result.output
     lines = [json.loads(line) for line in result.output.splitlines()]
-    assert [Path(line["file"]).name for line in lines] == ["cat.jpg", "broken.jpg"]
+    assert [Path(line["path"]).name for line in lines] == ["cat.jpg", "broken.jpg"]
     assert lines[0]["status"] == "ok" and lines[0]["output"]["label"] in CAT_LABELS
     assert lines[1]["status"] == "error" and lines[1]["error"]["code"] == "bad_image"
+    # One record schema with `redbatch score` (producer/output.py record).
+    from redbatch.producer.output import record
+    assert all(set(line) == set(record("", "", line["status"], error=("x", "y"))
+                                if line["status"] == "error" else record("", "", "ok"))
+               for line in lines), lines
+    assert lines[0]["latency_ms"] > 0 and lines[0]["batch_size"] >= 1 and lines[0]["worker"]
 
 
 def test_submit_without_redis_runs_a_private_stack_and_cleans_up(tmp_path: Path) -> None:
@@ -98,7 +104,7 @@ def test_submit_without_redis_runs_a_private_stack_and_cleans_up(tmp_path: Path)
                            str(SAMPLES)], env=env, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     lines = [json.loads(line) for line in proc.stdout.decode().splitlines()]
-    by_name = {Path(line["file"]).name: line for line in lines}
+    by_name = {Path(line["path"]).name: line for line in lines}
     assert set(by_name) >= {"cat.jpg", "coffee.jpg"}
     assert by_name["cat.jpg"]["output"]["label"] in CAT_LABELS
     assert processes_with_mark(mark) == [], "no worker or pool process left"
