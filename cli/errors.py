@@ -11,6 +11,8 @@ import click
 #: extra, by import name), and how to get them.
 WORKER_MODULES = ("torch", "numpy", "PIL", "prometheus_client")
 WORKER_EXTRA = "pip install 'redbatch[worker]'"
+#: Said after "cannot reach Redis": how to name another one.
+REDIS_HINT = "(give its URL with --redis URL or REDBATCH_REDIS_URL)"
 
 
 class OrdinaryError(click.ClickException):
@@ -36,7 +38,7 @@ def ordinary(e: BaseException) -> OrdinaryError | None:
     if isinstance(e, redis.AuthenticationError):
         return OrdinaryError(f"Redis refused the login: {e}")
     if isinstance(e, redis.ConnectionError | redis.TimeoutError | RedisUnavailable):
-        return OrdinaryError(f"cannot reach Redis: {e}")
+        return OrdinaryError(f"cannot reach Redis: {e} {REDIS_HINT}")
     if isinstance(e, RedisRefused):
         return OrdinaryError(f"Redis refused: {e}")
     if isinstance(e, redis.exceptions.NoPermissionError):

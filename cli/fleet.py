@@ -21,13 +21,11 @@ from redbatch.cli.redis_target import connect_to, unreachable_is_one_line
 from redbatch.cli.signals import signals_raise
 from redbatch.common.protocol import validate_name
 
-NEEDS_REDIS = ("{command} looks at a running fleet: give its Redis with --redis URL or "
-               "REDBATCH_REDIS_URL")
 #: Seconds between looks for new models (a SCAN) when top shows every model.
 DISCOVER_EVERY_S = 10.0
 
 _fleet_options = o.together(
-    o.REDIS(help="Redis URL of the fleet, e.g. redis://host:6379/0."),
+    o.REDIS(),
     o.PREFIX(),
     # Served names, not a model to load (--model elsewhere): both spellings mean it here.
     o.opt("--model", "--model-name", "models", env="MODEL_NAME", multiple=True,
@@ -35,17 +33,15 @@ _fleet_options = o.together(
 )
 
 
-def _fleet_redis(command: str, options: dict[str, Any]) -> redis.Redis:
-    """A client for the fleet's --redis; one line for a missing URL or a bad name."""
-    # A private redis-server (as submit starts) would hold nothing worth looking at.
-    if not options["redis_url"]:
-        raise click.ClickException(NEEDS_REDIS.format(command=f"redbatch {command}"))
+def _fleet_redis(options: dict[str, Any]) -> redis.Redis:
+    """A client for the fleet's --redis (the worker's default URL without one); one line
+    for a bad name."""
     try:
         for name in options["models"]:
             validate_name(name)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
-    return connect_to(options["redis_url"], options["prefix"])
+    return connect_to(o.url_or_default(options), options["prefix"])
 
 
 @click.command()
@@ -53,7 +49,7 @@ def _fleet_redis(command: str, options: dict[str, Any]) -> redis.Redis:
 @click.option("--json", "as_json", is_flag=True, default=False, help="Print JSON, not a table.")
 def status(as_json: bool, **options: Any) -> None:
     """Print queues, workers and recent results of each model and lane, once."""
-    r = _fleet_redis("status", options)
+    r = _fleet_redis(options)
     with unreachable_is_one_line():
         fleet = gather(r, options["prefix"], options["models"])
     click.echo(json.dumps(fleet.to_dict()) if as_json else render(fleet), nl=as_json)
@@ -65,7 +61,7 @@ def status(as_json: bool, **options: Any) -> None:
        help="Seconds between redraws.")
 def top(interval: float, **options: Any) -> None:
     """Show `redbatch status` live, redrawn every --interval seconds; Ctrl-C quits."""
-    r = _fleet_redis("top", options)
+    r = _fleet_redis(options)
     with signals_raise():  # SIGTERM too leaves the terminal as it was
         run_top(_top_frames(r, options["prefix"], options["models"]), interval, sys.stdout)
 

@@ -87,9 +87,17 @@ def url_or_default(options: dict[str, Any]) -> str:
     return str(options["redis_url"] or default_of(RedisSettings, "url"))
 
 
+#: Without --redis (and REDBATCH_REDIS_URL) every command uses the worker's default URL,
+#: but submit and score, which start a private Redis and worker for the run: one rule,
+#: said in each command's --help.
+REDIS_HELP = ("Redis URL, e.g. redis://host:6379/0, rediss://host:6380/0?ssl_ca_certs="
+              "ca.pem or unix:///path/redis.sock?password=... [default: "
+              f"{default_of(RedisSettings, 'url')}]")
+PRIVATE_REDIS_HELP = ("Redis URL of a fleet, e.g. redis://host:6379/0 [default: none: a "
+                      "private redis-server and worker are started for this run, and "
+                      "stopped after it]")
 REDIS = option("--redis", "redis_url", env="REDIS_URL", default=None, callback=check_url,
-               help="Redis URL, e.g. redis://host:6379/0, rediss://host:6380/0?ssl_ca_certs="
-                    "ca.pem or unix:///path/redis.sock?password=...")
+               show_default=False, help=REDIS_HELP)
 PREFIX = option("--prefix", env="PREFIX", default=default_of(RedisSettings, "prefix"),
                 help="Prefix of every Redis key.")
 MODEL = option("--model", "model_spec", env="MODEL", default=default_of(ModelSettings, "spec"),
@@ -131,3 +139,10 @@ def common_options(f: F) -> F:
     """--redis, --prefix, --model, --model-name and --log-level: what every command that
     works on one model's queues takes."""
     return together(REDIS(), PREFIX(), MODEL(), MODEL_NAME(), LOG_LEVEL())(f)
+
+
+def private_stack_options(f: F) -> F:
+    """As :func:`common_options`, for a command that starts a private stack without
+    --redis (submit, score)."""
+    return together(REDIS(help=PRIVATE_REDIS_HELP), PREFIX(), MODEL(), MODEL_NAME(),
+                    LOG_LEVEL())(f)

@@ -55,11 +55,8 @@ def dlq() -> None:
 
 
 def _dlq_target(options: dict[str, Any]) -> tuple[redis.Redis, Keys]:
-    """A client for --redis (required: a private server holds no dead letters) and the
-    model's keys."""
-    if not options["redis_url"]:
-        raise click.ClickException("--redis (or REDBATCH_REDIS_URL) is required")
-    r = connect_to(options["redis_url"], options["prefix"])
+    """A client for --redis (the worker's default URL without one) and the model's keys."""
+    r = connect_to(o.url_or_default(options), options["prefix"])
     return r, Keys(o.served_name(options), options["prefix"])
 
 

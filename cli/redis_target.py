@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 import redis
-from redbatch.cli.errors import WORKER_EXTRA, WORKER_MODULES, OrdinaryError
+from redbatch.cli.errors import REDIS_HINT, WORKER_EXTRA, WORKER_MODULES, OrdinaryError
 from redbatch.cli.local_stack import LocalStack
 from redbatch.cli.options import served_name
 from redbatch.cli.redis_server import RedisServerError
@@ -46,7 +46,7 @@ def unreachable_is_one_line(what: str = "cannot reach Redis") -> Iterator[None]:
     try:
         yield
     except (redis.ConnectionError, redis.TimeoutError) as e:
-        raise click.ClickException(f"{what}: {e}") from e
+        raise click.ClickException(f"{what}: {e} {REDIS_HINT}") from e
 
 
 @contextmanager

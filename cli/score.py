@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 @click.command()
-@o.common_options
+@o.private_stack_options
 @click.argument("inputs", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="Output file: one record per input.")

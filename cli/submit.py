@@ -19,7 +19,7 @@ from redbatch.producer.submit import submit_files
 
 
 @click.command()
-@o.common_options
+@o.private_stack_options
 @click.argument("files", nargs=-1, required=True, type=click.Path())
 @o.opt("--wait/--no-wait", env="WAIT", default=False,
        help="Wait for and print each result (always on with a private stack).")

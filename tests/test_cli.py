@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 from click.testing import CliRunner
 from conftest import (
@@ -15,7 +17,6 @@ from conftest import (
     WorkerFactory,
     marked_env,
     processes_with_mark,
-    redis_server_pids,
     shm_entries,
 )
 from redbatch.cli import main
@@ -99,7 +100,6 @@ def test_submit_without_redis_runs_a_private_stack_and_cleans_up(tmp_path: Path)
     before_tmp = set(Path("/tmp").glob("redbatch-redis-*"))
     mark = uuid.uuid4().hex
     env = marked_env(mark)
-    servers_before = redis_server_pids()
     proc = subprocess.run([sys.executable, "-m", "redbatch.cli", "submit", "--wait",
                            str(SAMPLES)], env=env, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
@@ -108,8 +108,16 @@ def test_submit_without_redis_runs_a_private_stack_and_cleans_up(tmp_path: Path)
     assert set(by_name) >= {"cat.jpg", "coffee.jpg"}
     assert by_name["cat.jpg"]["output"]["label"] in CAT_LABELS
     assert processes_with_mark(mark) == [], "no worker or pool process left"
-    # redis-server rewrites its environment for its process title, so it is found by name.
-    assert redis_server_pids() <= servers_before, "the private redis-server was stopped"
+    # redis-server rewrites its environment for its process title (so no mark to find it
+    # by), which then names its port: the one the command logged is gone. Other runs'
+    # servers may come and go meanwhile.
+    port = re.search(r"private redis-server at redis://127\.0\.0\.1:(\d+)/",
+                     proc.stderr.decode())
+    assert port, proc.stderr.decode()[-2000:]
+    assert not [p for p in psutil.process_iter(["name", "cmdline"])
+                if p.info["name"] == "redis-server"
+                and re.search(rf":{port.group(1)}\b", " ".join(p.info["cmdline"] or []))], \
+        "the private redis-server was stopped"
     assert shm_entries() <= before_shm
     assert set(Path("/tmp").glob("redbatch-redis-*")) <= before_tmp, "temp dir removed"
 
@@ -161,3 +169,14 @@ def test_a_refusal_from_redis_during_score_is_one_line(redis_url: str, r: object
         admin.close()
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
     assert "Error: Redis refused" in run.stderr and "pw@" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("command", [["worker"], ["status"], ["top"], ["limit"],
+                                     ["dlq", "list"], ["submit"], ["score"]])
+def test_every_command_says_what_it_does_without_redis(command: list[str]) -> None:
+    """One rule: the worker's default URL, but submit and score, which start a private
+    stack; each command's --help says which."""
+    flat = " ".join(CliRunner().invoke(main, [*command, "--help"]).output.split())
+    private = command[0] in ("submit", "score")
+    assert ("a private redis-server and worker are started" in flat) is private, flat
+    assert ("[default: redis://localhost:6379/0]" in flat) is not private, flat

@@ -44,16 +44,13 @@ from redbatch.common.protocol.envelopes import (
     MAX_STR_BYTES,
     PROTOCOL_VERSION,
     TIMING_NAMES,
-    ErrorCode,
     JobEnvelope,
-    JobFailed,
-    ProtocolError,
-    RedbatchError,
     ResultEnvelope,
     Status,
     packb,
     unpackb,
 )
+from redbatch.common.protocol.errors import ErrorCode, JobFailed, ProtocolError, RedbatchError
 from redbatch.common.protocol.fleet import (
     HEARTBEAT_INTERVAL_S,
     RECENT_MAX,

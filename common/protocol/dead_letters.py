@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
-from redbatch.common.protocol.envelopes import ErrorCode
+from redbatch.common.protocol.errors import ErrorCode
 from redbatch.common.protocol.keys import (
     DLQ_AT_MS,
     DLQ_DELIVERIES,

@@ -7,12 +7,11 @@ from dataclasses import dataclass
 
 from redbatch.common.protocol.envelopes import (
     MAX_ENVELOPE_OVERHEAD_BYTES,
-    ErrorCode,
-    ProtocolError,
     _check_fields,
     packb,
     unpackb,
 )
+from redbatch.common.protocol.errors import ErrorCode, ProtocolError
 from redbatch.common.protocol.keys import Lane
 
 # --------------------------------------------------------------------------- fleet status
