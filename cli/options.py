@@ -23,6 +23,7 @@ from redbatch.common.config import (
     default_of,
     model_name_from_spec,
 )
+from redbatch.common.logs import LOG_FORMATS
 from redbatch.common.protocol import Lane
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -107,6 +108,10 @@ MODEL_NAME = option("--model-name", env="MODEL_NAME", default=default_of(ModelSe
                          "--model.")
 LOG_LEVEL = option("--log-level", env="LOG_LEVEL", default="INFO",
                    type=click.Choice(LOG_LEVELS, case_sensitive=False))
+LOG_FORMAT = option("--log-format", env="LOG_FORMAT", default="text",
+                    type=click.Choice(LOG_FORMATS),
+                    help="text for people; json: one JSON object a line (ts, level, process, "
+                         "logger, message, exception) for a log collector.")
 LANE = option("--lane", env="LANE", type=click.Choice([lane.value for lane in Lane]),
               help="Which lane the jobs go to.")
 TIMEOUT_S = option("--timeout-s", env="TIMEOUT_S", type=click.FloatRange(min=0.001))

@@ -135,12 +135,13 @@ _tuning_options = together(
 @_job_options
 @_serve_options
 @_tuning_options
+@o.LOG_FORMAT()
 def worker(**options: Any) -> None:
     """Serve a model: read jobs, batch them, write results."""
     from redbatch.gpu_worker.malloc_tuning import reexec_with_malloc_tuning
 
     reexec_with_malloc_tuning("redbatch.cli")
-    setup_logging(options["log_level"])
+    setup_logging(options["log_level"], options.pop("log_format"))
     options["explicit"] = _explicit(click.get_current_context())
     try:
         settings = build_settings(options)

@@ -4,6 +4,7 @@ started for inputs that cannot work (checked before a private stack would start)
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -58,17 +59,22 @@ def test_an_unreachable_redis_is_one_line(dead_redis: str, command: tuple[str, .
     said(proc, proc.stderr, 1, "Error: cannot reach Redis: ")
 
 
+@pytest.mark.parametrize("log_format", ["text", "json"])
 def test_a_worker_stopped_while_it_waits_for_redis_says_so_in_one_line(
-        dead_redis: str, tmp_path: Path) -> None:
+        dead_redis: str, log_format: str) -> None:
+    """Its log says why it waits, one line per retry; with --log-format json every log
+    line is a JSON object (the command's own closing error stays click's one line)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
     proc = subprocess.Popen([sys.executable, "-m", "redbatch.cli", "worker", "--redis",
                              dead_redis, "--model", "null", "--calibrate", "off",
-                             "--metrics-port", "0"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             "--metrics-port", "0", "--log-format", log_format], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
     try:
         deadline = time.monotonic() + 120
         assert proc.stderr is not None
         for line in proc.stderr:  # wait until it is waiting for Redis
+            seen.append(line)
             if "Redis not reachable" in line or time.monotonic() > deadline:
                 break
         proc.send_signal(signal.SIGINT)
@@ -76,6 +82,11 @@ def test_a_worker_stopped_while_it_waits_for_redis_says_so_in_one_line(
     finally:
         proc.kill()
     said(proc, rest, 1, "Error: cannot reach Redis: stopped while waiting for Redis")
+    if log_format == "json":
+        logged = [json.loads(line) for line in [*seen, *rest.splitlines()[:-1]] if line.strip()]
+        assert logged and all(set(x) >= {"ts", "level", "process", "logger", "message"}
+                              for x in logged), logged
+        assert any("Redis not reachable" in x["message"] for x in logged)
 
 
 @pytest.mark.parametrize("case", ["no scheme", "missing output folder", "empty folder",
