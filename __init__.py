@@ -38,17 +38,14 @@ if TYPE_CHECKING:
     )
 
 #: The package's own face, as users of Celery or arq expect (``from redbatch import
-#: Client``): each name and the module it comes from, imported on first use so that
-#: ``import redbatch`` stays light (a worker or the CLI does not load the client).
-_EXPORTS = {
-    **dict.fromkeys(("AsyncClient", "Client", "DuplicateRequestId", "JobFailed",
-                     "ProtocolError", "QueueFull", "RedbatchError", "Result", "ResultTimeout",
-                     "ResultUnreadable"), "redbatch.producer.client"),
-    **dict.fromkeys(("ErrorCode", "Lane"), "redbatch.common.protocol"),
-}
+#: Client``), imported on first use so that ``import redbatch`` stays light (a worker or
+#: the CLI does not load the client).
 __all__ = ["AsyncClient", "Client", "DuplicateRequestId", "ErrorCode", "JobFailed", "Lane",
            "ProtocolError", "QueueFull", "RedbatchError", "Result", "ResultTimeout",
            "ResultUnreadable"]
+#: Where each comes from: the protocol's two, the client module the rest.
+_EXPORTS = {name: "redbatch.common.protocol" if name in ("ErrorCode", "Lane")
+            else "redbatch.producer.client" for name in __all__}
 
 
 def __getattr__(name: str) -> Any:

@@ -17,7 +17,7 @@ import redis
 from redbatch.cli import options as o
 from redbatch.cli.fleet_state import discover_models, gather
 from redbatch.cli.fleet_view import render, run_top
-from redbatch.cli.redis_target import connect_to, unreachable_is_one_line
+from redbatch.cli.redis_target import connect_to
 from redbatch.cli.signals import signals_raise
 from redbatch.common.protocol import validate_name
 
@@ -50,8 +50,7 @@ def _fleet_redis(options: dict[str, Any]) -> redis.Redis:
 def status(as_json: bool, **options: Any) -> None:
     """Print queues, workers and recent results of each model and lane, once."""
     r = _fleet_redis(options)
-    with unreachable_is_one_line():
-        fleet = gather(r, options["prefix"], options["models"])
+    fleet = gather(r, options["prefix"], options["models"])  # unreachable: cli/errors.py
     click.echo(json.dumps(fleet.to_dict()) if as_json else render(fleet), nl=as_json)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import click
 import redis
 from redbatch.cli import options as o
-from redbatch.cli.redis_target import connect_to, unreachable_is_one_line
+from redbatch.cli.redis_target import connect_to
 from redbatch.common.logs import setup_logging
 from redbatch.common.protocol import Keys, Lane
 from redbatch.producer import dlq as dead_letters
@@ -40,8 +40,8 @@ def limit(lane: str | None, max_jobs: int | None, clear: bool, **options: Any) -
     if (max_jobs is not None or clear) and lane is None:
         raise click.UsageError("--max-jobs and --clear need --lane")
     name = o.served_name(options)
-    with unreachable_is_one_line(), \
-            Client(o.url_or_default(options), model=name, prefix=options["prefix"]) as client:
+    # An unreachable Redis is one line: the group's handler (cli/errors.py) says it.
+    with Client(o.url_or_default(options), model=name, prefix=options["prefix"]) as client:
         if lane is not None and (max_jobs is not None or clear):
             client.set_queue_limit(lane, max_jobs)
         for state in (client.queue_state(each) for each in Lane):

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 import redis
-from redbatch.cli.errors import REDIS_HINT, WORKER_EXTRA, WORKER_MODULES, OrdinaryError
+from redbatch.cli.errors import WORKER_EXTRA, WORKER_MODULES, OrdinaryError
 from redbatch.cli.local_stack import LocalStack
 from redbatch.cli.options import served_name
 from redbatch.cli.redis_server import RedisServerError
@@ -38,15 +38,6 @@ def connect_to(url: str, prefix: str | None = None) -> redis.Redis:
     except ValueError as e:
         raise click.ClickException(str(e)) from e
     return connect(settings)
-
-
-@contextmanager
-def unreachable_is_one_line(what: str = "cannot reach Redis") -> Iterator[None]:
-    """A lost or refused connection ends the command with ``what: <error>``, no traceback."""
-    try:
-        yield
-    except (redis.ConnectionError, redis.TimeoutError) as e:
-        raise click.ClickException(f"{what}: {e} {REDIS_HINT}") from e
 
 
 @contextmanager

@@ -197,14 +197,9 @@ class ResultWriter:
                                         now_ms))
         return answers
 
-    def ok(self, job: Job, output: Any, batch_size: int, inference_ms: float,
-           batch_wait_ms: float) -> Answer:
-        """An ok result; an output msgpack cannot carry becomes an ``internal`` error result."""
-        return self._ok(job, output, batch_size, inference_ms, batch_wait_ms, time.monotonic(),
-                        int(time.time() * 1000))
-
     def _ok(self, job: Job, output: Any, batch_size: int, inference_ms: float,
             batch_wait_ms: float, now_s: float, now_ms: int) -> Answer:
+        """An ok result; an output msgpack cannot carry becomes an ``internal`` error result."""
         timings = self._timings(job, inference_ms, batch_wait_ms, now_s)
         try:
             encoded = ResultEnvelope.encode_ok(job.envelope.request_id, output, timings,

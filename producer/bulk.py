@@ -50,7 +50,7 @@ from redbatch.common.redis_io import REDIS_ERRORS
 from redbatch.producer.client import Client, DuplicateRequestId, QueueFull
 from redbatch.producer.errors import RESULT_TIMEOUT
 from redbatch.producer.inputs import Item
-from redbatch.producer.output import DoneIndex, OutputWriter, record
+from redbatch.producer.output import DoneIndex, OutputWriter, record, result_record
 from redbatch.producer.pacing import Waiting, WaitingLine
 from redbatch.producer.progress import Progress, RunStats
 
@@ -326,16 +326,8 @@ class BulkScorer:
 
     def _write_result(self, flight: _InFlight, result: ResultEnvelope, latency_ms: float) -> None:
         item = flight.item
-        if result.ok:
-            rec = record(item.id, item.path, "ok", output=result.output, latency_ms=latency_ms,
-                         batch_size=result.batch_size, worker=result.worker)
-            outcome = "ok"
-        else:
-            code = result.error_code.value if result.error_code else "internal"
-            rec = record(item.id, item.path, "error", error=(code, result.error_message),
-                         latency_ms=latency_ms, batch_size=result.batch_size,
-                         worker=result.worker)
-            outcome = code
+        rec = result_record(item.id, item.path, result, latency_ms)
+        outcome = "ok" if result.ok else rec["error"]["code"]
         self.writer.write(rec)
         self.stats.add(outcome, latency_ms, result.batch_size)
 

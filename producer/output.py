@@ -16,6 +16,8 @@ from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
+from redbatch.common.protocol import ErrorCode, ResultEnvelope
+
 FORMATS = ("jsonl", "csv")
 CSV_COLUMNS = ["id", "path", "status", "label", "class_id", "score", "error_code",
                "error_message", "latency_ms", "batch_size", "worker"]
@@ -33,6 +35,18 @@ def record(item_id: str, path: str, status: str, *, output: Any = None,
     rec.update(latency_ms=None if latency_ms is None else round(latency_ms, 2),
                batch_size=batch_size, worker=worker)
     return rec
+
+
+def result_record(item_id: str, path: str, result: ResultEnvelope,
+                  latency_ms: float) -> dict[str, Any]:
+    """The record of one answered input: ``ok`` with its output, or ``error`` with the
+    result's code and message (``score`` writes it, ``submit`` prints it)."""
+    if result.ok:
+        return record(item_id, path, "ok", output=result.output, latency_ms=latency_ms,
+                      batch_size=result.batch_size, worker=result.worker)
+    code = result.error_code.value if result.error_code else ErrorCode.INTERNAL.value
+    return record(item_id, path, "error", error=(code, result.error_message),
+                  latency_ms=latency_ms, batch_size=result.batch_size, worker=result.worker)
 
 
 def _csv_row(rec: dict[str, Any]) -> list[Any]:

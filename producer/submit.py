@@ -14,7 +14,7 @@ from redbatch.common.config import DEFAULT_MAX_PAYLOAD_BYTES
 from redbatch.common.protocol import Lane, ResultEnvelope
 from redbatch.producer.client import Client, QueueFull, ResultTimeout
 from redbatch.producer.errors import RESULT_TIMEOUT
-from redbatch.producer.output import record
+from redbatch.producer.output import record, result_record
 from redbatch.producer.watch import WorkerWatch
 
 #: Files submitted per pipelined round trip.
@@ -100,13 +100,5 @@ def _report(client: Client, submitted: list[tuple[Path, str, float]], wait: bool
                          error=(RESULT_TIMEOUT, f"no result within {timeout_s:g}s")))
             continue
         result, at = arrived[rid]
-        latency_ms = (at - sent) * 1000
-        if result.ok:
-            _emit(record(rid, str(path), "ok", output=result.output, latency_ms=latency_ms,
-                         batch_size=result.batch_size, worker=result.worker))
-        else:
-            code = result.error_code.value if result.error_code else "internal"
-            _emit(record(rid, str(path), "error", error=(code, result.error_message),
-                         latency_ms=latency_ms, batch_size=result.batch_size,
-                         worker=result.worker))
+        _emit(result_record(rid, str(path), result, (at - sent) * 1000))
     return len(arrived) == len(submitted)
