@@ -26,9 +26,14 @@ if TYPE_CHECKING:
     from redbatch.common.protocol import ErrorCode, Lane
     from redbatch.producer.client import (
         AsyncClient,
+        AsyncJobHandle,
         Client,
         DuplicateRequestId,
+        JobCancelled,
         JobFailed,
+        JobHandle,
+        JobState,
+        JobStatus,
         ProtocolError,
         QueueFull,
         RedbatchError,
@@ -40,7 +45,8 @@ if TYPE_CHECKING:
 #: The package's own face, as users of Celery or arq expect (``from redbatch import
 #: Client``), imported on first use so that ``import redbatch`` stays light (a worker or
 #: the CLI does not load the client).
-__all__ = ["AsyncClient", "Client", "DuplicateRequestId", "ErrorCode", "JobFailed", "Lane",
+__all__ = ["AsyncClient", "AsyncJobHandle", "Client", "DuplicateRequestId", "ErrorCode",
+           "JobCancelled", "JobFailed", "JobHandle", "JobState", "JobStatus", "Lane",
            "ProtocolError", "QueueFull", "RedbatchError", "Result", "ResultTimeout",
            "ResultUnreadable"]
 #: Where each comes from: the protocol's two, the client module the rest.

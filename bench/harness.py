@@ -350,7 +350,7 @@ class RedbatchTarget:
                                timeout_s=self.timeout_s)
 
     def submit(self, n: int) -> list[str]:
-        return self.client.submit_jobs([self.job() for _ in range(n)])
+        return list(self.client.submit_jobs([self.job() for _ in range(n)]))
 
     def result_key(self, rid: str) -> str:
         return self.keys.result(rid)

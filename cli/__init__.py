@@ -10,7 +10,8 @@ One module per command group, each importing downward only:
     calibrate.py      calibrate: measure the model on the device, store its profile
     submit.py         submit: send files, print one JSON line each
     score.py          score: many inputs into one output file, resumably
-    queues.py         limit, dlq: bound a lane's queue; list, replay, purge dead letters
+    queues.py         limit, job, dlq: bound a lane's queue; show or cancel one job;
+                      list, replay, purge dead letters
     fleet.py          status, top: a running fleet, once or live
     acl.py            acl: least-privilege Redis users
     errors.py         how an ordinary mistake is said: one line and an exit code
@@ -34,6 +35,8 @@ Classify photos and print one JSON line per file:
   redbatch submit --wait --redis redis://localhost:6379/0 cat.jpg photos/
 Without --redis (and no REDBATCH_REDIS_URL), submit starts a private
 redis-server and a local worker, and stops both when done.
+Where one job is, or cancel it while it is queued:
+  redbatch job --redis redis://localhost:6379/0 REQUEST_ID [--cancel]
 Watch queues, workers and latency (once, or live):
   redbatch status --redis redis://localhost:6379/0
   redbatch top --redis redis://localhost:6379/0
@@ -62,7 +65,7 @@ def main() -> None:
 
 
 for _command in (worker.worker, calibrate.calibrate, submit.submit, score.score, queues.limit,
-                 queues.dlq, fleet.status, fleet.top, acl.acl):
+                 queues.job, queues.dlq, fleet.status, fleet.top, acl.acl):
     main.add_command(_command)
 
 __all__ = ["main"]

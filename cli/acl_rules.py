@@ -9,7 +9,9 @@ NOTE [ ACL roles ]
   producer: submit through the admission script (EVAL/EVALSHA; inside it HGET of the
     limits hash, XLEN, GET/SET of the id's owner key, XADD to the lane stream and XDEL of
     the entry of a duplicate it takes back out), or by a plain XADD; read a lane's backlog
-    and bound (XLEN, HGET) and whether a worker serves it (XINFO GROUPS); wait for and
+    and bound (XLEN, HGET) and whether a worker serves it (XINFO GROUPS); a job's status and
+    cancel (the status and cancel scripts: GET of its result and owner, XINFO GROUPS and
+    XPENDING of the lanes; XADD of a cancel entry, XDEL of the job, SET of its owner); wait for and
     read results (GET, MGET, EXISTS, BLPOP of a done list or a reply list, LPOP and
     BLMPOP of a reply list) and delete what it has read (DEL of result, done, owner and reply keys,
     as ``redbatch score`` does); read which workers are alive (ZRANGE of the workers set,
@@ -127,8 +129,8 @@ def producer_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[st
         "-@all", *_connection(version), "+eval", "+evalsha",
         # EVAL declares its keys read-write, so the script's keys are the root's; what
         # the script may do with them is decided command by command by the selectors.
-        *_keys(*streams, *limits, *owners),
-        _selector(("xadd", "xdel", "xlen", "xinfo|groups"), _keys(*streams)),
+        *_keys(*streams, *limits, *owners, *(k.result(_ANY) for k in models)),
+        _selector(("xadd", "xdel", "xlen", "xinfo|groups", "xpending"), _keys(*streams)),
         _selector(("hget",), _keys(*limits, mode="%R~")),
         _selector(("exists", "get", "set"), _keys(*owners)),
         _selector(("get", "mget", "exists", "blpop", "lpop", "blmpop", "del"),

@@ -1,8 +1,9 @@
-"""``redbatch limit`` and ``redbatch dlq``: a model's queues, bounded and dead-lettered.
+"""``redbatch limit``, ``job`` and ``dlq``: a model's queues, bounded, looked into and
+dead-lettered.
 
-``limit`` bounds a lane's queue (admission control) through the producer's
-:class:`Client`; ``dlq`` lists, replays and deletes dead letters through
-``producer/dlq.py``. Both act on one model's keys.
+``limit`` bounds a lane's queue (admission control) and ``job`` shows or cancels one job,
+both through the producer's :class:`Client`; ``dlq`` lists, replays and deletes dead
+letters through ``producer/dlq.py``. All act on one model's keys.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from typing import Any
 import click
 import redis
 from redbatch.cli import options as o
+from redbatch.cli.errors import BadInput
 from redbatch.cli.redis_target import connect_to
 from redbatch.common.logs import setup_logging
-from redbatch.common.protocol import Keys, Lane
+from redbatch.common.protocol import JobStatus, Keys, Lane, valid_request_id
 from redbatch.producer import dlq as dead_letters
 from redbatch.producer.client import Client
 
@@ -47,6 +49,52 @@ def limit(lane: str | None, max_jobs: int | None, clear: bool, **options: Any) -
         for state in (client.queue_state(each) for each in Lane):
             click.echo(json.dumps({"model": name, "lane": state.lane.value,
                                    "max_jobs": state.bound, "queued": state.queued}))
+
+
+@click.command()
+@o.common_options
+@click.argument("request_id")
+@click.option("--cancel", is_flag=True, default=False,
+              help="Cancel the job if no worker has taken it yet (it then never runs, and "
+                   "its answer is 'cancelled'); exit code 1 when it was too late.")
+def job(request_id: str, cancel: bool, **options: Any) -> None:
+    """Show where job REQUEST_ID is, or cancel it.
+
+    Prints one JSON line: its state (queued, running, done, failed, cancelled, unknown),
+    lane and stream entry, the worker holding it, and its output or error once answered;
+    with --cancel, also whether it was cancelled. Read from what Redis holds (PROTOCOL.md
+    "Job status"). Without --redis, the worker's default Redis URL is used.
+    """
+    setup_logging(options["log_level"])
+    if not valid_request_id(request_id):
+        raise BadInput(f"{request_id[:140]!r} is not a request id (1-128 of A-Z a-z 0-9 _ . : -)")
+    name = o.served_name(options)
+    with Client(o.url_or_default(options), model=name, prefix=options["prefix"]) as client:
+        cancelled = client.cancel(request_id) if cancel else None
+        shown = _job_record(client.status(request_id), name)
+    if cancelled is not None:
+        shown["cancelled"] = cancelled
+    click.echo(json.dumps(shown, ensure_ascii=False))
+    if cancelled is False:
+        raise SystemExit(1)
+
+
+def _job_record(status: JobStatus, model: str) -> dict[str, Any]:
+    """What ``redbatch job`` prints of a status."""
+    shown: dict[str, Any] = {"id": status.request_id, "model": model,
+                             "state": status.state.value,
+                             "lane": status.lane.value if status.lane else None,
+                             "entry": status.entry_id, "worker": status.worker,
+                             "deliveries": status.deliveries}
+    result = status.result
+    if result is not None:
+        shown["worker"] = result.worker
+        if result.ok:
+            shown["output"] = result.output
+        else:
+            code = result.error_code.value if result.error_code else None
+            shown["error"] = {"code": code, "message": result.error_message}
+    return shown
 
 
 @click.group()

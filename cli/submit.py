@@ -1,10 +1,9 @@
-"""``redbatch submit``: send image files to a model, and print one JSON line per file."""
+"""``redbatch submit``: send files to a model, and print one JSON line per file."""
 
 from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import click
@@ -14,7 +13,7 @@ from redbatch.cli.redis_target import redis_for
 from redbatch.cli.signals import signals_raise
 from redbatch.common.logs import setup_logging
 from redbatch.common.protocol import Lane
-from redbatch.producer.inputs import iter_items
+from redbatch.producer.inputs import iter_files
 from redbatch.producer.submit import submit_files
 
 
@@ -27,9 +26,13 @@ from redbatch.producer.submit import submit_files
 @o.LANE(default=Lane.INTERACTIVE.value)
 def submit(files: tuple[str, ...], wait: bool, timeout_s: float, lane: str,
            **options: Any) -> None:
-    """Submit image FILES (or folders of images); print one JSON line per file."""
+    """Submit FILES (or folders of images); print one JSON line per file.
+
+    Each file is sent as it is, with a content type from its suffix (a .txt as text, a
+    .json as JSON, a .npy as an array): the model decides what it accepts. Lists of files
+    (manifests) are for redbatch score."""
     setup_logging(options["log_level"])
-    paths = [Path(item.path) for item in iter_items(files)]
+    paths = list(iter_files(files))
     # Checked before anything starts: a private stack takes seconds to say "nothing".
     if not paths:
         raise BadInput(f"nothing to submit: no image in {', '.join(files)}")

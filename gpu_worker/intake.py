@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import redis
 from redbatch.common.protocol import (
     FIELD_ADMITTED,
+    FIELD_CANCEL,
     FIELD_REQUEST_ID,
     GROUP,
     ErrorCode,
@@ -90,6 +91,8 @@ class BadEntry:
     dead_letter: bool = False
     fields: Mapping[bytes, bytes] | None = None
     deliveries: int = 0
+    reply_to: str | None = None
+    """The reply list its answer is announced on (a cancel entry's, checked like a job's)."""
 
 
 class RedisClock:
@@ -126,6 +129,7 @@ class Intake:
         # Pending recovery cursors; a stream leaves the dict once its backlog is read.
         self._pending_from: dict[str, bytes] = {s: b"0" for s in keys.streams()}
         self._stream_of = {lane: keys.stream(lane) for lane in Lane}
+        self._lane_of = {stream: lane for lane, stream in self._stream_of.items()}
         self._replies_seen: set[str] = set()
 
     def ensure_groups(self) -> None:
@@ -205,7 +209,8 @@ class Intake:
         for item in claims:
             budget = item.envelope.budget_ms if isinstance(item, Job) else 0
             assert item.request_id is not None
-            self._owners.claim(pipe, item.request_id, item.entry_id, budget)
+            self._owners.claim(pipe, item.request_id, item.entry_id, self._lane_of[item.stream],
+                               budget)
         duplicates: set[int] = set()
         for item, reply in zip(claims, pipe.execute(raise_on_error=False), strict=True):
             owner = OwnerKeys.rival(reply, item.entry_id)
@@ -285,6 +290,11 @@ class Intake:
             # Never let a job make the worker write to an arbitrary key.
             return BadEntry(stream, entry_id, env.request_id, ErrorCode.BAD_ENVELOPE,
                             f"reply_to {env.reply_to[:100]!r} is not a reply key of this model")
+        if _CANCEL in fields:
+            # The cancel script took the job out before any worker read it: nothing to run.
+            return BadEntry(stream, entry_id, env.request_id, ErrorCode.CANCELLED,
+                            "cancelled before a worker took it; it was not run",
+                            reply_to=env.reply_to)
         return _job(env, stream, entry_id, now_ms, now_s)
 
     def _is_reply(self, key: str) -> bool:
@@ -298,6 +308,9 @@ class Intake:
             self._replies_seen.clear()
         self._replies_seen.add(key)
         return True
+
+
+_CANCEL = FIELD_CANCEL.encode()
 
 
 def _duplicate(item: Job | BadEntry, owner: bytes, fields: Mapping[bytes, bytes]) -> BadEntry:

@@ -37,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import redis
 from redbatch.common.logs import Throttle
@@ -142,7 +142,7 @@ RECENT_UPKEEP_S = 1.0
 def _answer(entry: Job | BadEntry, result: ResultEnvelope, slot: int = -1) -> Answer:
     job = entry if isinstance(entry, Job) else None
     return Answer(entry.stream, entry.entry_id, result.request_id, result.encode(), slot,
-                  job.envelope.reply_to if job else None,
+                  job.envelope.reply_to if job else cast(BadEntry, entry).reply_to,
                   job.envelope.lane if job else Lane.INTERACTIVE, outcome=_outcome(result),
                   total_ms=result.timings.get("total_ms"), timings=result.timings,
                   envelope=job.envelope if job else None,

@@ -244,8 +244,9 @@ class BulkScorer:
 
     def _admit(self, jobs: list[JobEnvelope], entries: dict[str, Waiting]) -> tuple[int, int]:
         refused: list[str] = []
+        admitted: list[str]
         try:
-            admitted = self.client.submit_jobs(jobs)
+            admitted = list(self.client.submit_jobs(jobs))
         except QueueFull as e:
             admitted, refused = e.accepted + e.duplicates, e.refused
             if not self._line.bounded:

@@ -14,7 +14,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from redbatch.common.protocol import ResultEnvelope
+from redbatch.common.protocol import ADMIT_SCRIPT, ResultEnvelope
 
 T = TypeVar("T")
 
@@ -40,11 +40,13 @@ class Command:
 
 
 @dataclass(frozen=True, slots=True)
-class Admit:
-    """One run of the protocol's admission script (EVALSHA, loading it on NOSCRIPT)."""
+class Script:
+    """One run of one of the protocol's scripts (EVALSHA, loading it on NOSCRIPT): the
+    admission script unless ``text`` names another (the cancel script)."""
 
     keys: list[str]
     args: list[Arg]
+    text: str = ADMIT_SCRIPT
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +55,7 @@ class Pipelined:
     replies. ``errors_as_replies``: an error reply takes its call's place in the list as
     an exception instance; otherwise the first one is raised."""
 
-    calls: tuple[Command | Admit, ...]
+    calls: tuple[Command | Script, ...]
     errors_as_replies: bool = False
 
 
@@ -81,7 +83,7 @@ class Receive:
     due: float
 
 
-Step = Command | Admit | Pipelined | Pause | Receive
+Step = Command | Script | Pipelined | Pause | Receive
 
 Steps = Generator[Step, Any, T]
 """An operation of the client: yields steps, returns a T."""

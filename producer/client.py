@@ -35,8 +35,11 @@ from typing import Any
 from redbatch.common.config import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MODEL, DEFAULT_REDIS_URL
 from redbatch.common.protocol import (
     DEFAULT_PREFIX,
+    JobCancelled,
     JobEnvelope,
     JobFailed,
+    JobState,
+    JobStatus,
     Lane,
     ProtocolError,
     RedbatchError,
@@ -46,12 +49,14 @@ from redbatch.common.protocol import (
 from redbatch.common.redis_io import connect, connect_async
 from redbatch.producer.core import ClientCore, QueueState
 from redbatch.producer.errors import DuplicateRequestId, QueueFull, ResultTimeout, ResultUnreadable
+from redbatch.producer.handles import AsyncJobHandle, JobHandle
 from redbatch.producer.readers import ReaderTask, ReaderThread
 from redbatch.producer.runners import AsyncInbox, AsyncRunner, BlockingRunner, SyncInbox
 
-__all__ = ["AsyncClient", "Client", "DuplicateRequestId", "JobFailed", "ProtocolError",
-           "QueueFull", "QueueState", "RedbatchError", "Result", "ResultTimeout",
-           "ResultUnreadable", "WorkerRecord"]
+__all__ = ["AsyncClient", "AsyncJobHandle", "Client", "DuplicateRequestId", "JobCancelled",
+           "JobFailed", "JobHandle", "JobState", "JobStatus", "ProtocolError", "QueueFull",
+           "QueueState", "RedbatchError", "Result", "ResultTimeout", "ResultUnreadable",
+           "WorkerRecord"]
 
 Result = ResultEnvelope
 
@@ -60,8 +65,8 @@ class Client(ClientCore):
     """Blocking client.
 
     >>> c = Client("redis://localhost:6379/0")
-    >>> rid = c.submit(open("cat.jpg", "rb").read())
-    >>> c.result(rid, timeout_s=10).output["label"]
+    >>> job = c.submit(open("cat.jpg", "rb").read())
+    >>> job.result(timeout_s=10).raise_for_error().output["label"]
     """
 
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, *, model: str = DEFAULT_MODEL,
@@ -74,12 +79,15 @@ class Client(ClientCore):
         self._readers_lock = threading.Lock()
         self._closed = False
 
-    def submit(self, payload: bytes, *, model: str | None = None, timeout_s: float | None = None,
+    def submit(self, payload: Any, *, model: str | None = None, timeout_s: float | None = None,
                lane: Lane | str = Lane.INTERACTIVE, params: Mapping[str, Any] | None = None,
-               content_type: str = "application/octet-stream",
-               request_id: str | None = None) -> str:
-        """Queue one job and return its request id.
+               content_type: str | None = None, request_id: str | None = None) -> JobHandle:
+        """Queue one job; returns its handle, which is its request id (a ``str``) with
+        ``result()``, ``status()`` and ``cancel()``.
 
+        ``payload``: bytes (sent as they are), a str (UTF-8), a numpy array (``.npy``) or
+        a JSON value (dict, list, number, bool, None), each with its content type
+        (``common/protocol/payloads.py``); ``content_type`` overrides the type.
         ``timeout_s`` sets the job's deadline: a worker that reaches it later
         answers ``expired`` instead of computing it. Raises :class:`QueueFull`, with
         nothing queued, when the lane is at its bound (see :meth:`set_queue_limit`), and
@@ -89,11 +97,11 @@ class Client(ClientCore):
                        content_type=content_type, request_id=request_id,
                        reply_to=self._reply_to(model))
         try:
-            return self._run(self._submit(job))
+            return self._handle(self._run(self._submit(job)), job)
         finally:
             self._start_readers()
 
-    def submit_many(self, payloads: Iterable[bytes], **kw: Any) -> list[str]:
+    def submit_many(self, payloads: Iterable[Any], **kw: Any) -> list[JobHandle]:
         """Queue many jobs in one pipelined round trip; same keywords as submit. Wait for
         them with :meth:`results` or :meth:`as_completed`.
 
@@ -102,15 +110,36 @@ class Client(ClientCore):
         """
         return self.submit_jobs(self._jobs(payloads, kw))
 
-    def submit_jobs(self, jobs: Sequence[JobEnvelope]) -> list[str]:
+    def submit_jobs(self, jobs: Sequence[JobEnvelope]) -> list[JobHandle]:
         """Queue envelopes made by :meth:`job` in one pipelined round trip; returns their
-        request ids. Raises :class:`QueueFull` as :meth:`submit_many` does; the refused
+        handles. Raises :class:`QueueFull` as :meth:`submit_many` does; the refused
         envelopes can be submitted again as they are. Envelopes keep their ``reply_to``:
         those naming none are awaited per request."""
         try:
-            return self._run(self._submit_jobs(jobs))
+            admitted = self._run(self._submit_jobs(jobs))
         finally:
             self._start_readers()
+        by_id = {job.request_id: job for job in jobs}
+        return [self._handle(rid, by_id[rid]) for rid in admitted]
+
+    def status(self, request_id: str, *, model: str | None = None) -> JobStatus:
+        """Where the job is: ``state`` is queued, running (taken by a worker: ``worker``
+        and ``deliveries`` say which and how often), done, failed, cancelled or unknown,
+        with ``result`` once answered. Read from what Redis holds, in one call, writing
+        nothing (PROTOCOL.md "Job status"). Raises ResultUnreadable when the result key
+        holds something that is not a result."""
+        return self._run(self._status(request_id, model))
+
+    def cancel(self, request_id: str, *, model: str | None = None) -> bool:
+        """Cancel the job unless a worker has taken it. True: it was queued, it will never
+        run, and a worker answers it ``cancelled`` (interactive lane, served first): its
+        waiters get that result, and ``raise_for_error()`` raises JobCancelled. False: a
+        worker has taken it and it runs to its own answer (a taken job cannot be called
+        back), or Redis knows no queued job of that id. Cancelling twice is True twice."""
+        return self._run(self._cancel(request_id, model))
+
+    def _handle(self, request_id: str, job: JobEnvelope) -> JobHandle:
+        return JobHandle(request_id, self, job.model, Lane(job.lane))
 
     def set_queue_limit(self, lane: Lane | str, max_jobs: int | None, *,
                         model: str | None = None) -> None:
@@ -222,30 +251,43 @@ class AsyncClient(ClientCore):
         self._run = AsyncRunner(self.redis).run
         self._readers: dict[str, ReaderTask] = {}
 
-    async def submit(self, payload: bytes, *, model: str | None = None,
+    async def submit(self, payload: Any, *, model: str | None = None,
                      timeout_s: float | None = None, lane: Lane | str = Lane.INTERACTIVE,
-                     params: Mapping[str, Any] | None = None,
-                     content_type: str = "application/octet-stream",
-                     request_id: str | None = None) -> str:
-        """As :meth:`Client.submit`."""
+                     params: Mapping[str, Any] | None = None, content_type: str | None = None,
+                     request_id: str | None = None) -> AsyncJobHandle:
+        """As :meth:`Client.submit`; the handle's methods are coroutines, and
+        ``await handle`` is its result."""
         job = self.job(payload, model=model, timeout_s=timeout_s, lane=lane, params=params,
                        content_type=content_type, request_id=request_id,
                        reply_to=self._reply_to(model))
         try:
-            return await self._run(self._submit(job))
+            return self._handle(await self._run(self._submit(job)), job)
         finally:
             self._start_readers()
 
-    async def submit_many(self, payloads: Iterable[bytes], **kw: Any) -> list[str]:
+    async def submit_many(self, payloads: Iterable[Any], **kw: Any) -> list[AsyncJobHandle]:
         """As :meth:`Client.submit_many`."""
         return await self.submit_jobs(self._jobs(payloads, kw))
 
-    async def submit_jobs(self, jobs: Sequence[JobEnvelope]) -> list[str]:
+    async def submit_jobs(self, jobs: Sequence[JobEnvelope]) -> list[AsyncJobHandle]:
         """As :meth:`Client.submit_jobs`."""
         try:
-            return await self._run(self._submit_jobs(jobs))
+            admitted = await self._run(self._submit_jobs(jobs))
         finally:
             self._start_readers()
+        by_id = {job.request_id: job for job in jobs}
+        return [self._handle(rid, by_id[rid]) for rid in admitted]
+
+    async def status(self, request_id: str, *, model: str | None = None) -> JobStatus:
+        """As :meth:`Client.status`."""
+        return await self._run(self._status(request_id, model))
+
+    async def cancel(self, request_id: str, *, model: str | None = None) -> bool:
+        """As :meth:`Client.cancel`."""
+        return await self._run(self._cancel(request_id, model))
+
+    def _handle(self, request_id: str, job: JobEnvelope) -> AsyncJobHandle:
+        return AsyncJobHandle(request_id, self, job.model, Lane(job.lane))
 
     async def set_queue_limit(self, lane: Lane | str, max_jobs: int | None, *,
                               model: str | None = None) -> None:

@@ -17,24 +17,30 @@ from typing import Any
 
 import redis
 from redbatch.common.protocol import (
+    CANCEL_SCRIPT,
+    CANCELLED_REPLY,
     DUPLICATE_REPLY,
     FIELD_JOB,
     MAX_ADMIT_JOBS,
     MAX_CONTENT_TYPE_BYTES,
     QUEUE_FULL_REPLY,
+    STATUS_SCRIPT,
     JobEnvelope,
+    JobStatus,
     Keys,
     Lane,
     ProtocolError,
     WorkerRecord,
     error_reply_code,
+    job_status,
     new_request_id,
     owner_ttl_ms,
     parse_queue_bound,
     valid_request_id,
 )
-from redbatch.producer.calls import Admit, Arg, Command, Inbox, Pipelined, Steps
-from redbatch.producer.errors import DuplicateRequestId, QueueFull
+from redbatch.common.protocol.payloads import encode_payload
+from redbatch.producer.calls import Arg, Command, Inbox, Pipelined, Script, Steps
+from redbatch.producer.errors import DuplicateRequestId, QueueFull, ResultUnreadable
 from redbatch.producer.replies import Gathering, ReplyWaits
 
 
@@ -71,12 +77,15 @@ class ClientCore:
         """The keys of ``model`` (default: the client's) under the client's prefix."""
         return Keys(model or self.model, self.prefix)
 
-    def job(self, payload: bytes, *, model: str | None = None, timeout_s: float | None = None,
+    def job(self, payload: Any, *, model: str | None = None, timeout_s: float | None = None,
             lane: Lane | str = Lane.INTERACTIVE, params: Mapping[str, Any] | None = None,
-            content_type: str = "application/octet-stream", request_id: str | None = None,
+            content_type: str | None = None, request_id: str | None = None,
             reply_to: str | None = None) -> JobEnvelope:
         """A validated job envelope (not yet sent); ``submit`` takes the same keywords.
+        ``payload`` is bytes, a str, a numpy array or a JSON value, encoded with its content
+        type as ``common/protocol/payloads.py`` says (``content_type`` overrides the type).
         Raises TypeError or ValueError for what a worker would refuse unread."""
+        payload, content_type = encode_payload(payload, content_type)
         self._check_payload(payload, content_type, params)
         request_id = request_id or new_request_id()
         if not valid_request_id(request_id):
@@ -92,8 +101,6 @@ class ClientCore:
                        params: Mapping[str, Any] | None) -> None:
         """Raises TypeError or ValueError for a payload, content type or params that a
         worker would refuse unread."""
-        if not isinstance(payload, bytes | bytearray | memoryview):
-            raise TypeError("payload must be bytes")
         if len(payload) > self.max_payload_bytes:
             raise ValueError(f"payload of {len(payload)} bytes exceeds {self.max_payload_bytes}")
         if len(content_type.encode()) > MAX_CONTENT_TYPE_BYTES:
@@ -101,12 +108,12 @@ class ClientCore:
         if any(not isinstance(key, str) for key in params or {}):
             raise TypeError("params keys must be str")
 
-    def _jobs(self, payloads: Iterable[bytes], kw: Mapping[str, Any]) -> list[JobEnvelope]:
+    def _jobs(self, payloads: Iterable[Any], kw: Mapping[str, Any]) -> list[JobEnvelope]:
         """Envelopes for submit_many: the keywords of submit, shared by every payload."""
         reply_to = self._reply_to(kw.get("model"))
         return [self.job(p, model=kw.get("model"), timeout_s=kw.get("timeout_s"),
                           lane=kw.get("lane", Lane.INTERACTIVE), params=kw.get("params"),
-                          content_type=kw.get("content_type", "application/octet-stream"),
+                          content_type=kw.get("content_type"),
                           request_id=None, reply_to=reply_to) for p in payloads]
 
     def _reply_to(self, model: str | None) -> str | None:
@@ -191,11 +198,49 @@ class ClientCore:
                 continue
         return live
 
+    def _status(self, request_id: str, model: str | None) -> Steps[JobStatus]:
+        """Where the job is, from what Redis holds: one run of the status script (see
+        NOTE [ Status and cancel ] in common/protocol/lifecycle.py)."""
+        keys = _checked(self.keys(model), request_id)
+        call = Script([keys.result(request_id), keys.owner(request_id),
+                       *(keys.stream(lane) for lane in Lane)], [], STATUS_SCRIPT)
+        try:
+            reply = yield call
+            return job_status(request_id, reply)
+        except (ProtocolError, redis.ResponseError) as e:
+            if isinstance(e, redis.ResponseError) and not str(e).startswith("WRONGTYPE"):
+                raise
+            raise ResultUnreadable(request_id, keys.result(request_id), str(e)) from None
+
+    def _cancel(self, request_id: str, model: str | None) -> Steps[bool]:
+        """Cancel the job if no worker has taken it yet: one run of the cancel script.
+        True when it was queued (it will never run, and a worker answers it
+        ``cancelled``); False when a worker has taken it, or Redis knows no queued job of
+        that id. The cancel entry names this client's reply list when the client submitted
+        the job, so that its waits hear of it at once."""
+        keys = _checked(self.keys(model), request_id)
+        waits = self.reply_waits.get(keys.model)
+        mine = waits is not None and waits.submitted(request_id)
+        marker = JobEnvelope(request_id=request_id, model=keys.model, payload=b"",
+                             submitted_ms=int(time.time() * 1000),
+                             reply_to=waits.key if waits is not None and mine else None)
+        reply = yield Script([*(keys.stream(lane) for lane in Lane), keys.owner(request_id)],
+                             [request_id, marker.encode()[FIELD_JOB]], CANCEL_SCRIPT)
+        word = (reply.decode() if isinstance(reply, bytes) else str(reply)).split(" ", 1)[0]
+        return word == CANCELLED_REPLY
+
     def _gathering(self, request_ids: Sequence[str], timeout_s: float, model: str | None,
                    inbox: Inbox) -> Gathering:
         """The wait for ``request_ids`` of ``model``, through ``inbox`` (see replies.py)."""
         keys = self.keys(model)
         return Gathering(self.reply_waits.get(keys.model), keys, request_ids, timeout_s, inbox)
+
+
+def _checked(keys: Keys, request_id: str) -> Keys:
+    """``keys``, once ``request_id`` is one (ValueError otherwise)."""
+    if not valid_request_id(request_id):
+        raise ValueError(f"invalid request id {request_id!r:.140}")
+    return keys
 
 
 def _admission_groups(jobs: Sequence[JobEnvelope]) -> list[list[int]]:
@@ -208,14 +253,14 @@ def _admission_groups(jobs: Sequence[JobEnvelope]) -> list[list[int]]:
             for start in range(0, len(group), MAX_ADMIT_JOBS)]
 
 
-def _admit(keys: Keys, jobs: Sequence[JobEnvelope]) -> Admit:
+def _admit(keys: Keys, jobs: Sequence[JobEnvelope]) -> Script:
     """The admission script's call for jobs of one lane: its stream, the limits hash and
     each id's owner key; the lane, then each job's owner TTL, request id and envelope."""
     lane = Lane(jobs[0].lane)
     args: list[Arg] = [lane.value]
     for job in jobs:
         args += [owner_ttl_ms(job.budget_ms), job.request_id, job.encode()[FIELD_JOB]]
-    return Admit([keys.stream(lane), keys.limits(), *(keys.owner(j.request_id) for j in jobs)],
+    return Script([keys.stream(lane), keys.limits(), *(keys.owner(j.request_id) for j in jobs)],
                  args)
 
 

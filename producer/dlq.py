@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import redis
-from redbatch.common.protocol import DeadLetters, Keys, OwnerKeys, parse_queue_bound
+from redbatch.common.protocol import DeadLetters, Keys, Lane, OwnerKeys, parse_queue_bound
 
 
 def entries(r: redis.Redis, keys: Keys, count: int | None = None) -> Iterator[dict[str, Any]]:
@@ -61,7 +61,7 @@ def retry(r: redis.Redis, keys: Keys, ids: list[str]) -> int:
         dead.requeue(pipe, letter)
         entry_id = pipe.execute()[requeued_at]
         # The new entry owns the id (a worker that read it first has claimed it the same).
-        owners.retake(r, rid, entry_id)
+        owners.retake(r, rid, entry_id, Lane(lane))
         done += 1
     return done
 

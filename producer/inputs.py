@@ -44,6 +44,18 @@ def iter_items(inputs: Iterable[str]) -> Iterator[Item]:
             yield Item(raw, raw)
 
 
+def iter_files(inputs: Iterable[str]) -> Iterator[Path]:
+    """The files ``submit`` sends, in order: each file as given, whatever it holds (a
+    ``.txt`` is a text payload there, not a manifest), and folders walked as by
+    ``iter_items``. Manifests are ``score``'s."""
+    for raw in inputs:
+        path = Path(raw)
+        if path.is_dir():
+            yield from (Path(item.path) for item in _walk(path))
+        else:
+            yield path
+
+
 def _walk(folder: Path) -> Iterator[Item]:
     for root, dirs, files in os.walk(folder):
         dirs.sort()

@@ -134,6 +134,11 @@ class ReplyWaits:
                 self._mine.move_to_end(rid)  # oldest first, for _prune
             self._prune(now)
 
+    def submitted(self, request_id: str) -> bool:
+        """Whether ``request_id`` was submitted naming this list (and not forgotten yet)."""
+        with self._lock:
+            return request_id in self._mine
+
     def forget(self, ids: Iterable[str]) -> None:
         """Drop ids that were not queued after all (refused at submit)."""
         with self._lock:

@@ -15,8 +15,7 @@ from typing import Any, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
-from redbatch.common.protocol import ADMIT_SCRIPT
-from redbatch.producer.calls import Admit, Command, Outcome, Pause, Pipelined, Receive, Step, Steps
+from redbatch.producer.calls import Command, Outcome, Pause, Pipelined, Receive, Script, Step, Steps
 
 T = TypeVar("T")
 
@@ -72,7 +71,7 @@ class BlockingRunner:
 
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
-        self._admit = client.register_script(ADMIT_SCRIPT)
+        self._scripts: dict[str, Any] = {}
 
     def run(self, steps: Steps[T]) -> T:
         """Drive ``steps`` to their end, running each step blocking; returns their value.
@@ -105,10 +104,13 @@ class BlockingRunner:
             return self._call_by(step.due, *step.args)
         return self._send(step, self.redis)
 
-    def _send(self, call: Command | Admit, client: redis.Redis) -> Any:
+    def _send(self, call: Command | Script, client: redis.Redis) -> Any:
         """Send ``call`` through ``client``, or queue it there when it is a pipeline."""
-        if isinstance(call, Admit):
-            return self._admit(call.keys, call.args, client=client)
+        if isinstance(call, Script):
+            script = self._scripts.get(call.text)
+            if script is None:
+                script = self._scripts[call.text] = self.redis.register_script(call.text)
+            return script(call.keys, call.args, client=client)
         return client.execute_command(*call.args)  # type: ignore[no-untyped-call]  # redis-py
 
     def _call_by(self, by: float, *args: Any) -> Any:
@@ -135,7 +137,7 @@ class AsyncRunner:
 
     def __init__(self, client: aioredis.Redis) -> None:
         self.redis = client
-        self._admit = client.register_script(ADMIT_SCRIPT)
+        self._scripts: dict[str, Any] = {}
 
     async def run(self, steps: Steps[T]) -> T:
         """As :meth:`BlockingRunner.run`, awaiting each step."""
@@ -163,14 +165,21 @@ class AsyncRunner:
                 for call in step.calls:
                     await self._queue(call, pipe)
                 return await pipe.execute(raise_on_error=not step.errors_as_replies)
-        if isinstance(step, Admit):
-            return await self._admit(step.keys, step.args)
+        if isinstance(step, Script):
+            return await self._script(step.text)(step.keys, step.args)
         return await self._call_by(step.due, *step.args)
 
-    async def _queue(self, call: Command | Admit, pipe: aioredis.client.Pipeline) -> None:
+    def _script(self, text: str) -> Any:
+        """The registered script of ``text`` (registered once)."""
+        script = self._scripts.get(text)
+        if script is None:
+            script = self._scripts[text] = self.redis.register_script(text)
+        return script
+
+    async def _queue(self, call: Command | Script, pipe: aioredis.client.Pipeline) -> None:
         """Queue ``call`` on ``pipe``."""
-        if isinstance(call, Admit):
-            await self._admit(call.keys, call.args, client=pipe)
+        if isinstance(call, Script):
+            await self._script(call.text)(call.keys, call.args, client=pipe)
         else:
             pipe.execute_command(*call.args)
 

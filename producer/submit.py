@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from redbatch.common.config import DEFAULT_MAX_PAYLOAD_BYTES
-from redbatch.common.protocol import Lane, ResultEnvelope
+from redbatch.common.protocol import Lane, ResultEnvelope, payloads
 from redbatch.producer.client import Client, QueueFull, ResultTimeout
 from redbatch.producer.errors import RESULT_TIMEOUT
 from redbatch.producer.output import record, result_record
@@ -22,7 +22,8 @@ CHUNK = 256
 
 CONTENT_TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png",
                  ".webp": "image/webp", ".bmp": "image/bmp", ".gif": "image/gif",
-                 ".tif": "image/tiff", ".tiff": "image/tiff"}
+                 ".tif": "image/tiff", ".tiff": "image/tiff", ".txt": payloads.TEXT,
+                 ".json": payloads.JSON, ".npy": payloads.NPY}
 
 
 def _emit(obj: dict[str, Any]) -> None:

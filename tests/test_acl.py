@@ -26,7 +26,7 @@ from conftest import SAMPLES, TEST_MODEL
 from redbatch.cli import main
 from redbatch.cli.acl_rules import Role, build_user, server_version
 from redbatch.cli.redis_server import RedisServer
-from redbatch.common.protocol import ADMIT_SCRIPT, GROUP, Keys, Lane
+from redbatch.common.protocol import ADMIT_SCRIPT, GROUP, ErrorCode, JobState, Keys, Lane
 from redbatch.producer.client import Client
 from spawned_workers import spawned_workers
 
@@ -119,6 +119,10 @@ def test_everything_documented_works_under_the_two_users(
         (folder / photo.name).write_bytes(photo.read_bytes())
     admin = redis.Redis.from_url(server.url)
     stranded = strand_jobs(admin, users["producer"], photos[1].read_bytes())
+    with Client(users["producer"]) as client:  # status and cancel, as a producer
+        assert client.status(stranded).state is JobState.RUNNING
+        cancelled = client.submit(photos[2].read_bytes(), timeout_s=120)
+        assert cancelled.status().state is JobState.QUEUED and cancelled.cancel()
     with spawned_workers(tmp_path) as start:
         # Short leases: takeover, renewal and the departed-consumer script all run.
         worker, log = start(users["worker"], "--reclaim-idle-ms", "300")
@@ -128,6 +132,8 @@ def test_everything_documented_works_under_the_two_users(
                 time.sleep(0.1)
             assert [w.pid for w in client.workers()] == [worker.pid]
             assert client.result(stranded, timeout_s=120).ok  # taken over from "gone"
+            assert client.result(cancelled, timeout_s=120).error_code is ErrorCode.CANCELLED
+            assert client.status(cancelled).state is JobState.CANCELLED
             assert client.predict(photos[0].read_bytes(), timeout_s=120).ok
             ids = client.submit_many([p.read_bytes() for p in photos], timeout_s=120)
             assert all(client.result(i, timeout_s=120).ok for i in ids)

@@ -109,10 +109,11 @@ def test_concurrent_submits_admit_exactly_the_bound(
         payloads = [b"%d-%d-%d" % (n, i, j) for j in range(4)]
         if n % 2 == 0:
             try:
-                return c.submit_many(payloads), []
+                return list(map(str, c.submit_many(payloads))), []
             except QueueFull as e:
                 return e.accepted, e.refused
-        ok, bad = [], []
+        ok: list[str] = []
+        bad: list[str] = []
         for payload in payloads:
             rid = f"t{n}-{i}-{payload[-1:].decode()}"
             try:
@@ -356,15 +357,16 @@ def test_a_bad_call_is_refused_before_anything_is_written(
     assert str(info.value).startswith(f"{BAD_CALL_REPLY} "), str(info.value)
     assert r.dbsize() == 0, r.keys()
     # The same jobs, called right, are admitted: the refusal took no request id.
-    (entry_id, second) = _call(r, *_good(keys, "a1", "a2"))
+    (entry_id, second) = cast(list[bytes], _call(r, *_good(keys, "a1", "a2")))
     assert r.xlen(keys.stream(Lane.BULK)) == 2 and 0 < r.pttl(keys.owner("a1")) <= 60000
-    assert r.get(keys.owner("a1")) == entry_id and r.get(keys.owner("a2")) == second
+    assert r.get(keys.owner("a1")) == entry_id + b" bulk"
+    assert r.get(keys.owner("a2")) == second + b" bulk"
 
 
 def test_one_call_admits_up_to_the_most_jobs_with_one_element_each(
         r: redis.Redis, keys: Keys) -> None:
     """MAX_ADMIT_JOBS jobs in one call: an entry id each, in order, each entry with the
-    fields rid, job and FIELD_ADMITTED, and its id's owner key naming it."""
+    fields rid, job and FIELD_ADMITTED, and its id's owner key naming it and its lane."""
     rids = [f"n{i}" for i in range(p.MAX_ADMIT_JOBS)]
     reply = _call(r, *_good(keys, *rids))
     added = cast(list[StreamEntry], r.xrange(keys.stream(Lane.BULK)))
@@ -373,7 +375,8 @@ def test_one_call_admits_up_to_the_most_jobs_with_one_element_each(
                                          p.FIELD_JOB.encode(): b"\x80",
                                          p.FIELD_ADMITTED.encode(): b"1"}]
     assert [f[b"rid"].decode() for _, f in added] == rids
-    assert r.mget([keys.owner(i) for i in rids]) == reply
+    assert r.mget([keys.owner(i) for i in rids]) == [e + b" bulk" for e in
+                                                     cast(list[bytes], reply)], "<id> <lane>"
 
 
 def test_the_bound_counts_the_jobs_of_the_call_and_duplicates_leave_nothing(

@@ -51,7 +51,7 @@ def dead_redis() -> str:
 
 
 @pytest.mark.parametrize("command", [("submit", CAT), ("status",), ("limit",),
-                                     ("dlq", "list")])
+                                     ("dlq", "list"), ("job", "some-id")])
 def test_an_unreachable_redis_is_one_line(dead_redis: str, command: tuple[str, ...]) -> None:
     args = [command[0], "--redis", dead_redis, *command[1:]] if command[0] != "dlq" else \
         ["dlq", command[1], "--redis", dead_redis]
@@ -90,7 +90,8 @@ def test_a_worker_stopped_while_it_waits_for_redis_says_so_in_one_line(
 
 
 @pytest.mark.parametrize("case", ["no scheme", "missing output folder", "empty folder",
-                                  "empty folder (submit)", "unreadable file"])
+                                  "empty folder (submit)", "unreadable file",
+                                  "not a request id"])
 def test_inputs_that_cannot_work_are_refused_before_anything_starts(
         case: str, tmp_path: Path) -> None:
     empty = tmp_path / "empty"
@@ -104,6 +105,7 @@ def test_inputs_that_cannot_work_are_refused_before_anything_starts(
         "empty folder (submit)": (["submit", str(empty)], "Error: nothing to submit"),
         "unreadable file": (["submit", str(tmp_path / "nope.jpg")],
                             "Error: cannot read any of the files"),
+        "not a request id": (["job", "has spaces"], "Error: 'has spaces' is not a request id"),
     }[case]
     proc, took = redbatch(*args)
     said(proc, proc.stderr, 2, starts)

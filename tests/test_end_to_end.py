@@ -53,7 +53,7 @@ def test_thousand_jobs_from_eight_clients(redis_url: str, start_worker: WorkerFa
     names = list(PHOTOS)
 
     def one_client(i: int) -> list[tuple[str, str, str, str, int]]:
-        out = []
+        out: list[tuple[str, str, str, str, int]] = []
         with Client(redis_url) as client:
             sent = [(names[(i + j) % 2], client.submit(PHOTOS[names[(i + j) % 2]], timeout_s=300))
                     for j in range(125)]
@@ -82,7 +82,8 @@ def test_bad_inputs_are_answered_and_the_worker_keeps_serving(
              cat[: len(cat) // 3]: ErrorCode.BAD_IMAGE,
              b"%PDF-1.4 xxxxxxxx": ErrorCode.UNSUPPORTED_FORMAT}
     with Client(redis_url) as client:
-        ids = {client.submit(data, timeout_s=60): code for data, code in cases.items()}
+        ids: dict[str, ErrorCode] = {client.submit(data, timeout_s=60): code
+                                     for data, code in cases.items()}
         stream = keys.stream(Lane.INTERACTIVE)
         r.xadd(stream, {"rid": "raw-garbage", "job": b"\x93not msgpack"})
         r.xadd(stream, {"job": b"no request id at all"})

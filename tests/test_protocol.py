@@ -410,3 +410,30 @@ def test_params_with_bin_keys_are_refused() -> None:
     with pytest.raises(ProtocolError) as info:
         JobEnvelope.decode(fields_with({**good_body(), "params": {b"k": 1}}), MAX)
     assert info.value.code is ErrorCode.BAD_ENVELOPE and "param key b'k'" in info.value.message
+
+
+def test_doc_gives_the_status_and_cancel_scripts_and_their_replies() -> None:
+    """The page holds both scripts verbatim, with their call lines; its cancel table names
+    each reply the script makes; its status table names every state the client reports;
+    and its payload-type table names each content type of the encoders."""
+    from redbatch.common.protocol import payloads
+
+    for script in (p.STATUS_SCRIPT, p.CANCEL_SCRIPT):
+        assert f"```lua\n{script}```" in DOC, script.splitlines()[0]
+    assert "EVALSHA <sha1> 4 P:{M}:result:ID P:{M}:owner:ID P:{M}:jobs:interactive " \
+           "P:{M}:jobs:bulk" in DOC
+    assert "EVALSHA <sha1> 3 P:{M}:jobs:interactive P:{M}:jobs:bulk P:{M}:owner:ID ID " \
+           "<msgpack job envelope>" in DOC
+    made = set(re.findall(r"return '([a-z]+)", p.CANCEL_SCRIPT))
+    assert made == {p.CANCELLED_REPLY, p.TAKEN_REPLY, p.UNKNOWN_REPLY}
+    cancel = DOC[DOC.index("## Cancelling a job"):DOC.index("## Dead letters")]
+    for reply in made:
+        assert f"| `{reply}" in cancel, reply
+    status = DOC[DOC.index("## Job status"):DOC.index("## Cancelling a job")]
+    for state in p.JobState:
+        assert f"`{state.value}`" in status, state
+    kinds = DOC[DOC.index("### Payload types"):DOC.index("## Admission control")]
+    for content_type in (payloads.BYTES, payloads.TEXT, payloads.JSON, payloads.NPY):
+        assert f"`{content_type}`" in kinds, content_type
+    assert f"at most {payloads.MAX_NPY_DIMS} dimensions" in kinds
+    assert f"`{p.FIELD_CANCEL}`" in cancel and p.owner_value("1-0", "bulk") == "1-0 bulk"

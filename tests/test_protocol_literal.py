@@ -139,6 +139,11 @@ def job(rid: str, lane: str = "bulk", payload: bytes = b"x", *, ttl: int | str |
     return Job(rid, body, page_ttl if ttl is None else ttl)
 
 
+def owner(entry_id: bytes, lane: str = "bulk") -> bytes:
+    """What the page says an admitted job's owner key holds: ``<entry id> <lane>``."""
+    return entry_id + b" " + lane.encode()
+
+
 # ------------------------------------------------------------------ raw RESP
 
 
@@ -296,7 +301,7 @@ def test_one_job_a_call_and_its_duplicate_arrive_as_the_page_says(resp: Resp) ->
     assert isinstance(reply, list) and len(reply) == 1 and is_entry_id(reply[0]), reply
     (first,) = reply
     assert entries(resp) == [(first, the_pages_entry(one))]
-    assert resp(b"GET", key("owner", "j1")) == first
+    assert resp(b"GET", key("owner", "j1")) == owner(first)
     assert 0 < resp(b"PTTL", key("owner", "j1")) <= int(one.ttl)
 
     # The same id again: refused, and the script's XADD of it was taken out again.
@@ -304,7 +309,7 @@ def test_one_job_a_call_and_its_duplicate_arrive_as_the_page_says(resp: Resp) ->
     assert submit(resp, [job("j1", payload=b"other")]) == [
         page_error(ELEMENT_FORMS, "DUPLICATE_REQUEST_ID", owner=first.decode())]
     assert resp(b"DBSIZE") == keys_before and entries(resp) == [(first, the_pages_entry(one))]
-    assert resp(b"GET", key("owner", "j1")) == first
+    assert resp(b"GET", key("owner", "j1")) == owner(first)
 
 
 def test_several_jobs_in_one_call_get_one_element_each_in_order(resp: Resp) -> None:
@@ -325,7 +330,7 @@ def test_several_jobs_in_one_call_get_one_element_each_in_order(resp: Resp) -> N
     assert entries(resp) == [(k0, the_pages_entry(earlier)), (k1, the_pages_entry(jobs[0])),
                              (k2, the_pages_entry(jobs[1])), (k3, the_pages_entry(jobs[4]))]
     for rid, entry_id in (("k0", k0), ("k1", k1), ("k2", k2), ("k3", k3)):
-        assert resp(b"GET", key("owner", rid)) == entry_id, rid
+        assert resp(b"GET", key("owner", rid)) == owner(entry_id), rid
     assert resp(b"DBSIZE") == keys_before + 3, "an owner key for each admitted job, no more"
 
 
@@ -396,7 +401,7 @@ def test_a_call_at_the_pages_limits_is_admitted(resp: Resp) -> None:
     assert len(reply) == MAX_JOBS and all(is_entry_id(e) for e in reply), \
         [e for e in reply if not is_entry_id(e)][:3]
     assert resp(b"XLEN", key("jobs", lane="bulk")) == MAX_JOBS
-    assert resp(b"GET", key("owner", longest.rid)) == reply[0]
+    assert resp(b"GET", key("owner", longest.rid)) == owner(reply[0])
     assert resp(b"PTTL", key("owner", longest.rid)) > 10 ** (TTL_DIGITS - 1)
     assert resp(b"DBSIZE") == MAX_JOBS + 1
 
@@ -614,7 +619,8 @@ def test_a_photo_and_refusals_through_a_real_worker(resp: Resp,
     # Workers leave the owner key alone when they answer: each id is still its entry's,
     # and, answered within its budget (or without a deadline), outlives its result.
     for rid, entry_id in entry_ids.items():
-        assert resp(b"GET", key("owner", rid)) == entry_id, rid
+        lane = "interactive" if rid == "cat" else "bulk"  # the stream it was sent on
+        assert resp(b"GET", key("owner", rid)) == owner(entry_id, lane), rid
     for rid in ("cat", "mislabelled", "ppm"):
         assert resp(b"PTTL", key("owner", rid)) >= resp(b"PTTL", key("result", rid)) > 0, rid
 

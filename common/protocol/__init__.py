@@ -4,10 +4,10 @@ admission script, the fleet's records, and the owners of the keys' lifecycles.
 This package mirrors PROTOCOL.md, which is the single source of truth for clients in any
 language, section by section: names and keys (keys.py, the only module that spells a Redis
 key, stream, group or field name), envelopes and their limits (envelopes.py), admission
-(admission.py), fleet status records (fleet.py), and the lifecycle of the keys a request
-leaves (request_keys.py: owner, result, done and reply keys) and of the dead-letter stream
-(dead_letters.py): as in rq's registries, one class owns each key family and is the only
-code that writes it. Import from the package:
+(admission.py), a job's status and cancel (lifecycle.py), fleet status records (fleet.py),
+and the lifecycle of the keys a request leaves (request_keys.py: owner, result, done and
+reply keys) and of the dead-letter stream (dead_letters.py): as in rq's registries, one
+class owns each key family and is the only code that writes it. Import from the package:
 ``from redbatch.common.protocol import Keys, JobEnvelope``.
 """
 
@@ -50,7 +50,13 @@ from redbatch.common.protocol.envelopes import (
     packb,
     unpackb,
 )
-from redbatch.common.protocol.errors import ErrorCode, JobFailed, ProtocolError, RedbatchError
+from redbatch.common.protocol.errors import (
+    ErrorCode,
+    JobCancelled,
+    JobFailed,
+    ProtocolError,
+    RedbatchError,
+)
 from redbatch.common.protocol.fleet import (
     HEARTBEAT_INTERVAL_S,
     RECENT_MAX,
@@ -69,6 +75,7 @@ from redbatch.common.protocol.keys import (
     DLQ_REASON,
     DLQ_SOURCE,
     FIELD_ADMITTED,
+    FIELD_CANCEL,
     FIELD_JOB,
     FIELD_REQUEST_ID,
     GROUP,
@@ -82,9 +89,35 @@ from redbatch.common.protocol.keys import (
     valid_request_id,
     validate_name,
 )
+from redbatch.common.protocol.lifecycle import (
+    CANCEL_SCRIPT,
+    CANCELLED_REPLY,
+    STATUS_SCRIPT,
+    TAKEN_REPLY,
+    UNKNOWN_REPLY,
+    JobState,
+    JobStatus,
+    Owner,
+    answered_state,
+    job_status,
+    owner_value,
+    parse_owner,
+)
 from redbatch.common.protocol.request_keys import AnswerKeys, OwnerKeys, ReplyList
 
 __all__ = [
+    "CANCEL_SCRIPT",
+    "CANCELLED_REPLY",
+    "STATUS_SCRIPT",
+    "TAKEN_REPLY",
+    "UNKNOWN_REPLY",
+    "JobState",
+    "JobStatus",
+    "Owner",
+    "answered_state",
+    "job_status",
+    "owner_value",
+    "parse_owner",
     "ADMIT_ERROR_CODES",
     "ADMIT_SCRIPT",
     "AnswerKeys",
@@ -102,6 +135,7 @@ __all__ = [
     "DeadLetters",
     "ErrorCode",
     "FIELD_ADMITTED",
+    "FIELD_CANCEL",
     "FIELD_JOB",
     "FIELD_REQUEST_ID",
     "GROUP",
@@ -126,6 +160,7 @@ __all__ = [
     "OWNER_TTL_PAD_MS",
     "OwnerKeys",
     "PROTOCOL_VERSION",
+    "JobCancelled",
     "JobFailed",
     "ProtocolError",
     "RedbatchError",

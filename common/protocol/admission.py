@@ -17,7 +17,7 @@ MAX_ADMIT_JOBS = 1000
 """Most jobs one call of the admission script takes."""
 
 ADMIT_SCRIPT = f"""\
--- redbatch admission script, protocol 1 (revision 3: N jobs a call; every check first)
+-- redbatch admission script, protocol 1 (revision 4: owners name their lane)
 -- KEYS: P:{{M}}:jobs:<lane>  P:{{M}}:limits  then P:{{M}}:owner:<request id> per job
 -- ARGV: <lane>  then per job: <owner TTL ms>  <request id>  <msgpack job envelope>
 local function bad(why) return redis.error_reply('BAD_CALL ' .. why) end
@@ -64,13 +64,13 @@ for i = 1, n do
   else
     local id = redis.call('XADD', KEYS[1], '*', 'rid', ARGV[3 * i], 'job', ARGV[3 * i + 1],
                           'adm', '1')
-    if redis.call('SET', owner, id, 'NX', 'PX', ARGV[3 * i - 1]) then
+    if redis.call('SET', owner, id .. ' ' .. lane, 'NX', 'PX', ARGV[3 * i - 1]) then
       room = room - 1
       replies[i] = id
     else
       redis.call('XDEL', KEYS[1], id)
       local first = redis.pcall('GET', owner)
-      if type(first) ~= 'string' or not first:find('^%d+%-%d+$') then first = '?' end
+      first = type(first) == 'string' and first:match('^(%d+%-%d+)') or '?'
       replies[i] = {{err = 'DUPLICATE_REQUEST_ID ' .. first}}
     end
   end

@@ -14,7 +14,7 @@ from enum import Enum
 from typing import Any
 
 import msgpack
-from redbatch.common.protocol.errors import ErrorCode, JobFailed, ProtocolError
+from redbatch.common.protocol.errors import ErrorCode, JobCancelled, JobFailed, ProtocolError
 from redbatch.common.protocol.keys import (
     FIELD_JOB,
     FIELD_REQUEST_ID,
@@ -280,10 +280,11 @@ class ResultEnvelope:
         return self.status is Status.OK
 
     def raise_for_error(self) -> ResultEnvelope:
-        """This result if it is ok; else raise JobFailed with its code and message, so
+        """This result if it is ok; else raise JobFailed with its code and message
+        (JobCancelled, a JobFailed, for ``cancelled``), so
         ``client.predict(x).raise_for_error().output`` is the output or an exception."""
         if not self.ok:
-            raise JobFailed(self)
+            raise (JobCancelled if self.error_code is ErrorCode.CANCELLED else JobFailed)(self)
         return self
 
     @classmethod

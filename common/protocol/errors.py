@@ -53,6 +53,9 @@ class ErrorCode(str, Enum):
     """The request id belongs to another job still queued, running, or with a live result.
     Refused at submit by ADMIT_SCRIPT; an entry added past it (plain XADD) is not run and
     goes to the dead-letter stream with this reason, and the first job keeps the id."""
+    CANCELLED = "cancelled"
+    """Cancelled before a worker took it (the cancel script, PROTOCOL.md "Cancelling a
+    job"); it was never run. A worker writes it when it reads the cancel entry."""
     UNDELIVERABLE = "undeliverable"
     """Never written into a result, a dead-letter reason only: the answer's own keys (its
     done list, result key or reply list) hold another type, planted by someone, so the
@@ -98,3 +101,8 @@ class JobFailed(RedbatchError):
         self.message = result.error_message
         code = result.error_code.value if result.error_code is not None else "error"
         super().__init__(f"{code}: {result.error_message} (request {result.request_id})")
+
+
+class JobCancelled(JobFailed):
+    """The job's answer is ``cancelled``: it was cancelled before a worker took it, and
+    never ran (a JobFailed, so one ``except JobFailed`` catches both)."""

@@ -20,6 +20,9 @@ FIELD_JOB = "job"
 FIELD_ADMITTED = "adm"
 """Stream field the admission script adds (value ``1``): it already made the entry its
 request id's owner, so workers need not claim the id again when they read it."""
+FIELD_CANCEL = "cancel"
+"""Stream field of a cancel entry (the cancel script adds it, with the owner value of the
+queued job it took out): the worker answers its request id ``cancelled`` and runs nothing."""
 
 #: Fields of a dead-letter entry (besides FIELD_REQUEST_ID and FIELD_JOB, copied as they were).
 DLQ_SOURCE = "source"

@@ -15,7 +15,8 @@ from typing import Any, cast
 
 import redis
 from redbatch.common.protocol.admission import OWNER_TTL_PAD_MS, owner_ttl_ms
-from redbatch.common.protocol.keys import Keys
+from redbatch.common.protocol.keys import Keys, Lane
+from redbatch.common.protocol.lifecycle import owner_entry, owner_value
 
 
 class OwnerKeys:
@@ -35,22 +36,27 @@ class OwnerKeys:
     def __init__(self, keys: Keys) -> None:
         self.keys = keys
 
-    def claim(self, pipe: redis.Redis, request_id: str, entry_id: bytes,
+    def claim(self, pipe: redis.Redis, request_id: str, entry_id: bytes, lane: Lane,
               budget_ms: int | None) -> None:
-        """Queue a worker's claim of the id for the entry it read: SET NX GET, with the
-        admission TTL (``owner_ttl_ms(budget_ms)``). An owner already there is kept, and
-        the reply names it; read the reply with :meth:`rival`."""
-        pipe.set(self.keys.owner(request_id), entry_id, nx=True, get=True,
+        """Queue a worker's claim of the id for the entry it read on ``lane``: SET NX GET
+        of ``<entry id> <lane>`` (``owner_value``), with the admission TTL
+        (``owner_ttl_ms(budget_ms)``). An owner already there is kept, and the reply names
+        it; read the reply with :meth:`rival`."""
+        pipe.set(self.keys.owner(request_id), owner_value(entry_id, lane), nx=True, get=True,
                  px=owner_ttl_ms(budget_ms))
 
     @staticmethod
     def rival(reply: object, entry_id: bytes) -> bytes | None:
         """The entry that owns the id instead of ``entry_id``, from :meth:`claim`'s reply;
         None when the claim holds: the id was free or already this entry's (a job taken
-        over from a dead worker is the same entry). An owner key of another type (written
-        by hand) replies with an error, and then the id counts as free rather than letting
-        one odd key wedge the job."""
-        return reply if isinstance(reply, bytes) and reply != entry_id else None
+        over from a dead worker is the same entry; its owner value may or may not name the
+        lane, as older writers left it). An owner key of another type (written by hand)
+        replies with an error, and then the id counts as free rather than letting one odd
+        key wedge the job."""
+        if not isinstance(reply, bytes):
+            return None
+        owner = owner_entry(reply)
+        return owner if owner != entry_id else None
 
     def free(self, pipe: redis.Redis, request_ids: Sequence[str]) -> None:
         """Queue one DEL of the ids' owner keys together with their answers (result key
@@ -63,10 +69,13 @@ class OwnerKeys:
         if names:
             pipe.delete(*names)
 
-    def retake(self, pipe: redis.Redis, request_id: str, entry_id: bytes | str) -> None:
-        """Queue SET NX PX OWNER_TTL_PAD_MS naming a requeued entry as the id's owner. NX:
-        a worker that read the entry first has claimed the id for it the same way."""
-        pipe.set(self.keys.owner(request_id), entry_id, nx=True, px=OWNER_TTL_PAD_MS)
+    def retake(self, pipe: redis.Redis, request_id: str, entry_id: bytes | str,
+               lane: Lane) -> None:
+        """Queue SET NX PX OWNER_TTL_PAD_MS naming a requeued entry (of ``lane``) as the
+        id's owner. NX: a worker that read the entry first has claimed the id for it the
+        same way."""
+        pipe.set(self.keys.owner(request_id), owner_value(entry_id, lane), nx=True,
+                 px=OWNER_TTL_PAD_MS)
 
 
 class AnswerKeys:

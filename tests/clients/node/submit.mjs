@@ -6,6 +6,11 @@
 // Options, anywhere: --admit submits through the admission script, taken from PROTOCOL.md
 // itself, instead of a plain XADD; --rid=ID uses that request id instead of a fresh one.
 //
+//   node submit.mjs REDIS_URL --status --rid=ID [MODEL] [PREFIX]  print where job ID is
+//   node submit.mjs REDIS_URL --cancel --rid=ID [MODEL] [PREFIX]  cancel job ID if queued
+// Both run the page's scripts ("Job status", "Cancelling a job") and print one line of JSON:
+// {id, state, worker, deliveries, error_code} or {id, cancel, cancelled}.
+//
 // Prints one line of JSON: {id, status, label, error_code, result}, or, when the admission
 // script refuses the job, {id, admit_error, admit_code} (the job's error element, or the
 // error reply to the whole call, as it arrived; admit_code is its first word).
@@ -19,16 +24,21 @@ import { createClient, RESP_TYPES } from 'redis';
 import { encode, decode } from '@msgpack/msgpack';
 
 const argv = process.argv.slice(2);
-const options = argv.filter((a) => a === '--admit' || a.startsWith('--rid='));
-const [url, input, model = 'efficientnet_lite0', prefix = 'redbatch'] =
-  argv.filter((a) => !options.includes(a));
-if (!url || !input) {
+const MODES = ['--admit', '--status', '--cancel'];
+const options = argv.filter((a) => MODES.includes(a) || a.startsWith('--rid='));
+const lookup = options.includes('--status') ? 'status'
+  : options.includes('--cancel') ? 'cancel' : null;
+const positional = argv.filter((a) => !options.includes(a));
+if (lookup) positional.splice(1, 0, `--${lookup}`);   // no input: ID comes from --rid
+const [url, input, model = 'efficientnet_lite0', prefix = 'redbatch'] = positional;
+if (!url || !input || (lookup && !ridOptionOf(options))) {
   console.error('usage: node submit.mjs REDIS_URL (IMAGE_PATH | --raw-garbage) [MODEL] [PREFIX]'
                 + ' [--admit] [--rid=ID]');
   process.exit(1);
 }
+function ridOptionOf(opts) { return opts.find((a) => a.startsWith('--rid=')); }
 const admit = options.includes('--admit');
-const ridOption = options.find((a) => a.startsWith('--rid='));
+const ridOption = ridOptionOf(options);
 
 const WAIT_MS = 60_000;        // give up after this long
 const BLPOP_SECONDS = 3;       // "a few seconds at a time"
@@ -46,6 +56,63 @@ const ownerKey = `${prefix}:{${model}}:owner:${rid}`;
 
 // Buffer <-> Uint8Array without copying; node-redis sends Buffer arguments as raw bytes.
 const asBuffer = (u8) => Buffer.from(u8.buffer, u8.byteOffset, u8.byteLength);
+
+// The page's scripts, each found by its first line.
+const page = readFileSync(new URL('../../../PROTOCOL.md', import.meta.url), 'utf8');
+const pageScript = (name) => {
+  const found = [...page.matchAll(/```lua\n([\s\S]*?)```/g)].map((m) => m[1])
+    .find((text) => text.startsWith(`-- redbatch ${name} script`));
+  if (!found) throw new Error(`PROTOCOL.md has no ${name} script`);
+  return found;
+};
+
+if (lookup) {
+  const conn = createClient({ url });
+  await conn.connect();
+  // Bulk strings as Buffers, inside arrays too (sendCommand takes the mapping per call).
+  const asBytes = { typeMapping: { [RESP_TYPES.BLOB_STRING]: Buffer } };
+  const base_ = `${prefix}:{${model}}`;
+  const lanes = [`${base_}:jobs:interactive`, `${base_}:jobs:bulk`];
+  let out;
+  if (lookup === 'cancel') {
+    // The cancel entry's envelope: the job's id, lane interactive, nothing to run.
+    const marker = asBuffer(encode({ v: 1, model, payload: new Uint8Array(0),
+      content_type: 'application/octet-stream', submitted_ms: Date.now(), deadline_ms: null,
+      lane: 'interactive', params: {} }));
+    const reply = String(await conn.sendCommand(['EVAL', pageScript('cancel'), '3', ...lanes,
+      ownerKey, rid, marker], asBytes));
+    out = { id: rid, cancel: reply, cancelled: reply.split(' ')[0] === 'cancelled' };
+  } else {
+    const [result, owner, last, consumer, deliveries] = await conn.sendCommand(['EVAL',
+      pageScript('status'), '4', resultKey, ownerKey, ...lanes], asBytes);
+    out = { id: rid, state: null, worker: null, deliveries: null, error_code: null };
+    // The page's table, row by row.
+    const entry = owner ? /^(\d+)-(\d+)/.exec(owner.toString()) : null;
+    const after = (a, b) => {
+      const [am, as] = a.slice(1).map(BigInt);
+      const [bm, bs] = b.toString().split('-').map(BigInt);
+      return am > bm || (am === bm && as > bs);
+    };
+    if (result) {
+      const envelope = decode(result);
+      out.error_code = envelope.error?.code ?? null;
+      out.state = envelope.status === 'ok' ? 'done'
+        : out.error_code === 'cancelled' ? 'cancelled' : 'failed';
+    } else if (!entry) {
+      out.state = 'unknown';
+    } else if (consumer) {
+      Object.assign(out, { state: 'running', worker: consumer.toString(),
+        deliveries: Number(deliveries) });
+    } else if (!last || after(entry, last)) {
+      out.state = owner.toString().endsWith(' cancel') ? 'cancelled' : 'queued';
+    } else {
+      out.state = 'unknown';
+    }
+  }
+  console.log(JSON.stringify(out));
+  await conn.close();
+  process.exit(0);
+}
 
 let job;
 const submitted = Date.now();
@@ -76,8 +143,7 @@ if (admit) {
   // call of one job (N = 1): 2 + N keys (the lane's stream, the limits hash, the job's
   // owner key) and 1 + 3N arguments (the lane, then the job's owner TTL, request id and
   // envelope).
-  const page = readFileSync(new URL('../../../PROTOCOL.md', import.meta.url), 'utf8');
-  const script = page.match(/```lua\n([\s\S]*?)```/)[1];
+  const script = pageScript('admission');
   const ownerTtl = Math.max(0, deadline - submitted) + 600000;
   const refused = async (message) => {
     // Every error of the script is "CODE text": the code is the first word.
