@@ -14,7 +14,7 @@ The asyncio client's handles have the same methods as coroutines, and are awaita
 from __future__ import annotations
 
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from redbatch.common.protocol import JobStatus, Lane, ResultEnvelope
 
@@ -22,15 +22,15 @@ if TYPE_CHECKING:
     from redbatch.producer.client import AsyncClient, Client
 
 
-class JobHandle(str):
-    """A submitted job of a :class:`~redbatch.producer.client.Client`: its request id, with
-    ``result``, ``status`` and ``cancel``."""
+class _Handle(str):
+    """What both kinds of handle are: the request id, with the client, model and lane of the
+    job; it pickles and copies as the plain id."""
 
-    _client: Client
+    _client: Any
     model: str
     lane: Lane
 
-    def __new__(cls, request_id: str, client: Client, model: str, lane: Lane) -> JobHandle:
+    def __new__(cls, request_id: str, client: Any, model: str, lane: Lane) -> Self:
         handle = super().__new__(cls, request_id)
         handle._client, handle.model, handle.lane = client, model, lane
         return handle
@@ -39,6 +39,20 @@ class JobHandle(str):
     def request_id(self) -> str:
         """The request id, as a plain ``str``."""
         return str.__str__(self)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.request_id!r}, model={self.model!r}, "
+                f"lane={self.lane.value!r})")
+
+    def __reduce__(self) -> tuple[type[str], tuple[str]]:
+        return str, (self.request_id,)
+
+
+class JobHandle(_Handle):
+    """A submitted job of a :class:`~redbatch.producer.client.Client`: its request id, with
+    ``result``, ``status`` and ``cancel``."""
+
+    _client: Client
 
     def result(self, timeout_s: float = 30.0) -> ResultEnvelope:
         """As :meth:`Client.result` for this job."""
@@ -52,31 +66,12 @@ class JobHandle(str):
         """As :meth:`Client.cancel` for this job."""
         return self._client.cancel(self, model=self.model)
 
-    def __repr__(self) -> str:
-        return f"JobHandle({self.request_id!r}, model={self.model!r}, lane={self.lane.value!r})"
 
-    def __reduce__(self) -> tuple[type[str], tuple[str]]:
-        return str, (self.request_id,)
-
-
-class AsyncJobHandle(str):
+class AsyncJobHandle(_Handle):
     """A submitted job of an :class:`~redbatch.producer.client.AsyncClient`: as
     :class:`JobHandle`, with coroutines, and ``await job`` for its result."""
 
     _client: AsyncClient
-    model: str
-    lane: Lane
-
-    def __new__(cls, request_id: str, client: AsyncClient, model: str,
-                lane: Lane) -> AsyncJobHandle:
-        handle = super().__new__(cls, request_id)
-        handle._client, handle.model, handle.lane = client, model, lane
-        return handle
-
-    @property
-    def request_id(self) -> str:
-        """The request id, as a plain ``str``."""
-        return str.__str__(self)
 
     async def result(self, timeout_s: float = 30.0) -> ResultEnvelope:
         """As :meth:`AsyncClient.result` for this job."""
@@ -93,10 +88,3 @@ class AsyncJobHandle(str):
     def __await__(self) -> Generator[Any, None, ResultEnvelope]:
         """``await job``: its result, with ``result``'s default timeout."""
         return self.result().__await__()
-
-    def __repr__(self) -> str:
-        return (f"AsyncJobHandle({self.request_id!r}, model={self.model!r}, "
-                f"lane={self.lane.value!r})")
-
-    def __reduce__(self) -> tuple[type[str], tuple[str]]:
-        return str, (self.request_id,)
