@@ -101,7 +101,10 @@ def test_the_per_request_path_costs_a_token_and_one_wait_per_job_on_top(
         client.submit_many([PHOTO], timeout_s=60)
         r.config_resetstat()
         ids = client.submit_jobs([client.job(PHOTO, timeout_s=120) for _ in range(N_JOBS)])
-    pool = redis.ConnectionPool.from_url(redis_url, max_connections=N_JOBS + 10)
+    # A socket timeout well past the pop's 5 s slice: a slice that ends empty while the
+    # worker starts (a slow machine) comes back as None, instead of racing the socket.
+    pool = redis.ConnectionPool.from_url(redis_url, max_connections=N_JOBS + 10,
+                                         socket_timeout=30)
     waiter = redis.Redis(connection_pool=pool)
     got: dict[str, object] = {}
 
