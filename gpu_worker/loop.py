@@ -216,13 +216,15 @@ class MainLoop:
             assert slot is not None, "a permit always comes with a slot"
             job.slot = slot
             jobs.append(job)
+        if self._inline is not None:
+            inputs = [(j.slot, j.envelope.payload, j.envelope.content_type, j.envelope.params)
+                      for j in jobs]
+            for job, (code, message, ms) in zip(
+                    jobs, preprocess_group(self._inline, self.slots, inputs), strict=True):
+                self._preprocessed(job, code, message, ms)
+            return
         tasks = [Task(j.slot, j.envelope.payload, j.envelope.content_type,
                       dict(j.envelope.params), urgent=not j.bulk) for j in jobs]
-        if self._inline is not None:
-            for job, record in zip(jobs, preprocess_group(self._inline, self.slots, tasks),
-                                   strict=True):
-                self._preprocessed(job, record)
-            return
         for job, key in zip(jobs, self.pool.submit_many(tasks), strict=True):
             self._pending[key] = job
 
@@ -232,12 +234,13 @@ class MainLoop:
             self._finish_preprocessing(record)
 
     def _finish_preprocessing(self, record: PreprocDone) -> None:
-        self._preprocessed(self._pending.pop(record.key), record)
+        self._preprocessed(self._pending.pop(record.key), record.error_code, record.message,
+                           record.preprocess_ms)
 
-    def _preprocessed(self, job: Job, record: PreprocDone) -> None:
-        job.preprocess_ms = record.preprocess_ms
-        if record.error_code is not None:
-            self.outbox.add(self.writer.failed(job, record.error_code, record.message))
+    def _preprocessed(self, job: Job, code: ErrorCode | None, message: str, ms: float) -> None:
+        job.preprocess_ms = ms
+        if code is not None:
+            self.outbox.add(self.writer.failed(job, code, message))
             return
         job.ready_s = time.monotonic()
         if job.taken_over:

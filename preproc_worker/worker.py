@@ -15,7 +15,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from multiprocessing.queues import Queue
 from multiprocessing.sharedctypes import Synchronized
@@ -125,20 +125,21 @@ def preprocess_one(handler: Any, slots: SlotArray, task: PreprocTask) -> Preproc
     return PreprocDone(task.key, task.slot, code, message, ms, task.attempt)
 
 
-def preprocess_group(handler: Any, slots: SlotArray, tasks: Sequence[Task]) -> list[PreprocDone]:
-    """Preprocess ``tasks`` into their slots right here, in the caller's thread: the path of a
-    handler whose preprocessing is trivial (``preprocesses_inline`` in handlers/base.py), with
-    no pool hop. Returns one record per task, in order, with the error records a pool process
-    gives (the ``key`` of a record is its task's position in ``tasks``; it never names a pool
-    task). A handler that crashes its process here takes the caller down: only trivial,
-    trusted preprocessing may run inline."""
+#: One input of ``preprocess_group``: slot, payload, content type, params.
+Inline = tuple[int, bytes, str, Mapping[str, Any]]
+#: One outcome of ``preprocess_group``: error code (None: the slot is filled), message, ms.
+Outcome = tuple[ErrorCode | None, str, float]
+
+
+def preprocess_group(handler: Any, slots: SlotArray, inputs: Iterable[Inline]) -> list[Outcome]:
+    """Preprocess ``inputs`` into their slots right here, in the caller's thread: the path of
+    a handler whose preprocessing is trivial (``preprocesses_inline`` in handlers/base.py),
+    with no pool hop, no task and no record objects: plain tuples, one outcome per input,
+    in order, with the error codes a pool process gives. A handler that crashes its
+    process here takes the caller down: only trivial, trusted preprocessing may run inline."""
     array = slots.array
-    records = []
-    for i, t in enumerate(tasks):
-        code, message, ms = _preprocess(handler, array[t.slot], t.payload, t.content_type,
-                                        t.params)
-        records.append(PreprocDone(i, t.slot, code, message, ms))
-    return records
+    return [_preprocess(handler, array[slot], payload, content_type, params)
+            for slot, payload, content_type, params in inputs]
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:

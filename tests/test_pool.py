@@ -210,17 +210,16 @@ def test_an_inline_group_writes_the_pools_pixels_and_error_records() -> None:
     assert not preprocesses_inline(handler) and preprocesses_inline(_InlineNull(LimitSettings()))
     slots = SlotArray.create(4, (3, 224, 224), "float32")
     try:
-        tasks = [Task(2, CAT, ""), Task(0, b"not an image", ""), Task(3, COFFEE, "")]
-        records = preprocess_group(handler, slots, tasks)
+        inputs = [(2, CAT, "", {}), (0, b"not an image", "", {}), (3, COFFEE, "", {})]
+        outcomes = preprocess_group(handler, slots, inputs)
+        assert len(outcomes) == 3
         expected = np.empty((3, 224, 224), np.float32)
-        for task, record in zip(tasks, records, strict=True):
-            assert record.slot == task.slot
-            if task.payload.startswith(b"not"):
-                assert record.error_code is ErrorCode.BAD_IMAGE and record.message
+        for (slot, payload, _, _), (code, message, ms) in zip(inputs, outcomes, strict=True):
+            if payload.startswith(b"not"):
+                assert code is ErrorCode.BAD_IMAGE and message
                 continue
-            assert record.error_code is None and record.preprocess_ms > 0
-            handler.preprocess(task.payload, "", {}, expected)
-            np.testing.assert_array_equal(slots.array[task.slot], expected)
-        assert [r.key for r in records] == [0, 1, 2]
+            assert code is None and ms > 0
+            handler.preprocess(payload, "", {}, expected)
+            np.testing.assert_array_equal(slots.array[slot], expected)
     finally:
         slots.close()
