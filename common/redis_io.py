@@ -86,21 +86,6 @@ def _options(settings: RedisSettings, blocking: bool) -> dict[str, Any]:
     }
 
 
-def normalise_xread(reply: Any) -> list[tuple[bytes, list[StreamEntry]]]:
-    """XREAD/XREADGROUP replies as [(stream, [(id, fields)])] under RESP2 and RESP3.
-
-    Entries deleted while pending come back with fields None; they are kept
-    with an empty dict so the caller can acknowledge them.
-    """
-    if not reply:
-        return []
-    items = reply.items() if isinstance(reply, dict) else reply
-    out = []
-    for stream, entries in items:
-        out.append((stream, [(eid, fields or {}) for eid, fields in entries]))
-    return out
-
-
 class Backoff:
     """Exponential backoff with jitter for reconnecting: 0.1 s doubling to 5 s, each wait
     drawn from 50-150% so a fleet that lost Redis together does not return in step."""

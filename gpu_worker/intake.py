@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, cast
 
 import redis
 from redbatch.common.protocol import (
@@ -31,7 +32,7 @@ from redbatch.common.protocol import (
     ProtocolError,
     valid_request_id,
 )
-from redbatch.common.redis_io import StreamEntry, normalise_xread
+from redbatch.common.redis_io import StreamEntry
 from redbatch.gpu_worker.reclaim import Reclaimer
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,9 @@ class Intake:
     def __init__(self, r: redis.Redis, keys: Keys, consumer: str, max_payload_bytes: int,
                  reclaim_idle_ms: int = 60_000, max_deliveries: int = 3) -> None:
         self._redis = r
+        # XREADGROUP's replies parsed in one pass here (_entries), not by redis-py's chain
+        # of callbacks per entry: this client is intake's own, and only intake reads.
+        r.set_response_callback("XREADGROUP", _entries)
         self.keys = keys
         self._owners = OwnerKeys(keys)
         self.consumer = consumer
@@ -227,8 +231,7 @@ class Intake:
                     block_ms: int | None) -> list[tuple[str, StreamEntry]]:
         reply = self._redis.xreadgroup(GROUP, self.consumer, streams,  # type: ignore[arg-type]
                                        count=count, block=block_ms)
-        return [(s.decode() if isinstance(s, bytes) else s, e)
-                for s, entries in normalise_xread(reply) for e in entries]
+        return cast(list[tuple[str, StreamEntry]], reply)
 
     def _read_pending(self, count: int) -> list[tuple[str, StreamEntry]]:
         for stream, cursor in list(self._pending_from.items()):
@@ -311,6 +314,21 @@ class Intake:
 
 
 _CANCEL = FIELD_CANCEL.encode()
+
+
+def _entries(reply: Any, **options: Any) -> list[tuple[str, StreamEntry]]:
+    """An XREADGROUP reply as ``[(stream, (entry id, fields))]``, in order, under RESP2 (a
+    list of ``[stream, entries]``) and RESP3 (a map). An entry deleted while pending comes
+    with no fields: an empty dict, so that it can still be acknowledged."""
+    if not reply:
+        return []
+    out: list[tuple[str, StreamEntry]] = []
+    for stream, entries in (reply.items() if isinstance(reply, dict) else reply):
+        name = stream.decode() if isinstance(stream, bytes) else stream
+        out += [(name, (entry_id, dict(zip(fields[::2], fields[1::2], strict=True))
+                        if fields else {}))
+                for entry_id, fields in entries]
+    return out
 
 
 def _duplicate(item: Job | BadEntry, owner: bytes, fields: Mapping[bytes, bytes]) -> BadEntry:

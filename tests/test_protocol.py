@@ -437,3 +437,28 @@ def test_doc_gives_the_status_and_cancel_scripts_and_their_replies() -> None:
         assert f"`{content_type}`" in kinds, content_type
     assert f"at most {payloads.MAX_NPY_DIMS} dimensions" in kinds
     assert f"`{p.FIELD_CANCEL}`" in cancel and p.owner_value("1-0", "bulk") == "1-0 bulk"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=0, max_value=2**63 - 1),
+       st.lists(st.tuples(st.sampled_from([lane.value for lane in p.Lane]),
+                          st.sampled_from(["ok", *(code.value for code in ErrorCode)]),
+                          st.none() | st.floats()), max_size=50))
+def test_recent_records_packed_in_groups_are_byte_for_byte_the_single_ones(
+        finished_ms: int, answers: list[tuple[str, str, float | None]]) -> None:
+    """The worker packs a flush's recent-list records with pack_many; readers decode them
+    as single records: the bytes must be the same."""
+    assert p.RecentResult.pack_many(finished_ms, answers) == [
+        p.RecentResult.pack(finished_ms, *answer) for answer in answers]
+
+
+@pytest.mark.parametrize("missing", ["v", "model", "payload", "content_type", "submitted_ms",
+                                     "deadline_ms", "lane", "params"])
+def test_an_envelope_missing_any_field_is_a_bad_envelope(missing: str) -> None:
+    body = {"v": 1, "model": "m", "payload": b"x", "content_type": "", "submitted_ms": 0,
+            "deadline_ms": None, "lane": "bulk", "params": {}}
+    del body[missing]
+    with pytest.raises(ProtocolError) as raised:
+        JobEnvelope.decode({b"rid": b"r1", b"job": msgpack.packb(body)}, 1024)
+    assert raised.value.code is ErrorCode.BAD_ENVELOPE and raised.value.request_id == "r1"
+    assert missing in raised.value.message

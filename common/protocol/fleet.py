@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from redbatch.common.protocol.envelopes import (
@@ -71,6 +73,15 @@ _RECENT_FIELD_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+_NIL = b"\xc0"
+_DOUBLE = struct.Struct(">d").pack
+
+
+def _float64(value: float) -> bytes:
+    """A float as msgpack writes it: 0xcb, then the IEEE 754 double, big-endian."""
+    return b"\xcb" + _DOUBLE(value)
+
+
 @dataclass(frozen=True, slots=True)
 class RecentResult:
     """One written result, as Keys.recent() keeps it for throughput and latency figures."""
@@ -89,9 +100,26 @@ class RecentResult:
     @staticmethod
     def pack(finished_ms: int, lane: str, outcome: str, total_ms: float | None) -> bytes:
         """What ``RecentResult(...).encode()`` returns, without the object (``lane``: the
-        Lane's value); a worker encodes every answer this way."""
+        Lane's value)."""
         return packb({"finished_ms": finished_ms, "lane": lane, "outcome": outcome,
                       "total_ms": total_ms})
+
+    @staticmethod
+    def pack_many(finished_ms: int,
+                  answers: Iterable[tuple[str, str, float | None]]) -> list[bytes]:
+        """``pack(finished_ms, lane, outcome, total_ms)`` of each ``(lane, outcome,
+        total_ms)``, byte for byte, as a worker encodes a flush: the map up to ``total_ms``
+        is the same for every answer of one lane and outcome, so it is packed once for each,
+        and each record adds only its float (msgpack float 64, as ``packb`` writes a float)."""
+        heads: dict[tuple[str, str], bytes] = {}
+        out = []
+        for lane, outcome, total_ms in answers:
+            head = heads.get((lane, outcome))
+            if head is None:  # the map with a nil total_ms, less the nil: its last byte
+                head = heads[lane, outcome] = RecentResult.pack(finished_ms, lane, outcome,
+                                                                None)[:-1]
+            out.append(head + (_NIL if total_ms is None else _float64(total_ms)))
+        return out
 
     @classmethod
     def decode(cls, data: bytes) -> RecentResult:
