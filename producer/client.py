@@ -16,6 +16,10 @@ nothing is queued for the refused jobs. The same script refuses a request id tha
 another job still owns (:class:`DuplicateRequestId`), so submitting the same envelope
 again after a lost reply is safe: the job is queued at most once.
 
+``submit`` returns a handle (``handles.py``): the request id, as a ``str``, with its
+``result``, ``status`` and ``cancel``. Status and cancel are one protocol script each
+(NOTE [ Status and cancel ] in common/protocol/lifecycle.py).
+
 Waiting honours its timeout whatever Redis does (see ``wait.py`` and ``replies.py``):
 a Redis that is gone, restarting or hung ends it with ResultTimeout.
 
