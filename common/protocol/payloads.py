@@ -19,6 +19,7 @@ numpy is imported only for an array: a client-only install has none, and needs n
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import sys
@@ -33,6 +34,7 @@ MAX_NPY_DIMS = 32
 """Most dimensions of an array payload (numpy's own limit is 64)."""
 
 
+@functools.lru_cache(maxsize=256)  # a deployment sends a few types: one split each
 def media_type(content_type: str) -> str:
     """The media type of a content type, lower case, without parameters
     (``"Text/Plain; charset=utf-8"`` -> ``"text/plain"``)."""
