@@ -242,13 +242,18 @@ class ResultWriter:
         Raises RedisUnavailable or RedisRefused; then nothing was written or acknowledged
         and the caller may retry the same answers. Returns the answers it held back.
         """
-        if not any(a.dead_letter is not None for a in answers):
-            return self._write_plain(answers)
-        pipe = self._redis.pipeline(transaction=True)
+        held: list[Answer] = []
+        pipe = None
         try:
-            answers, held = self._guard_dead_letters(pipe, answers)
-            ops = self._queue(pipe, answers)
-            replies = pipe.execute(raise_on_error=False) if ops else []
+            if any(a.dead_letter is not None for a in answers):
+                pipe = self._redis.pipeline(transaction=True)
+                answers, held = self._guard_dead_letters(pipe, answers)
+                ops = self._queue(pipe, answers)
+                replies = pipe.execute(raise_on_error=False) if ops else []
+            else:  # the hot path, nothing to WATCH: one packed MULTI/EXEC (transaction.py)
+                commands = Commands()
+                ops = self._queue(commands, answers)
+                replies = exec_transaction(self._redis, commands) if ops else []
         except redis.WatchError as e:
             raise RedisRefused("the dead-letter stream changed during the write") from e
         except REDIS_ERRORS as e:
@@ -257,26 +262,11 @@ class ResultWriter:
             raise RedisRefused(f"Redis refused {len(answers)} results "
                                f"({error_code(e)}): {e}") from e
         finally:
-            pipe.reset()
+            if pipe is not None:
+                pipe.reset()
         undeliverable = self._read_replies(answers, ops, replies)
         self._write_records()
         return Flushed(held, undeliverable)
-
-    def _write_plain(self, answers: Sequence[Answer]) -> Flushed:
-        """``write_and_ack`` for answers without dead letters (nothing to WATCH): the same
-        commands, sent as one packed MULTI/EXEC (``transaction.py``), the flush's hot path."""
-        commands = Commands()
-        ops = self._queue(commands, answers)
-        try:
-            replies = exec_transaction(self._redis, commands) if ops else []
-        except REDIS_ERRORS as e:
-            raise RedisUnavailable(f"writing {len(answers)} results failed: {e}") from e
-        except redis.ResponseError as e:  # refused whole: nothing applied
-            raise RedisRefused(f"Redis refused {len(answers)} results "
-                               f"({error_code(e)}): {e}") from e
-        undeliverable = self._read_replies(answers, ops, replies)
-        self._write_records()
-        return Flushed([], undeliverable)
 
     def _guard_dead_letters(self, pipe: Any,
                             answers: Sequence[Answer]) -> tuple[list[Answer], list[Answer]]:

@@ -51,7 +51,7 @@ from redbatch.common.protocol import (
     WorkerRecord,
 )
 from redbatch.common.redis_io import connect, connect_async
-from redbatch.producer.core import ClientCore, QueueState
+from redbatch.producer.core import ClientCore, QueueState, admitted_jobs
 from redbatch.producer.errors import DuplicateRequestId, QueueFull, ResultTimeout, ResultUnreadable
 from redbatch.producer.handles import AsyncJobHandle, JobHandle
 from redbatch.producer.readers import ReaderTask, ReaderThread
@@ -101,7 +101,8 @@ class Client(ClientCore):
                        content_type=content_type, request_id=request_id,
                        reply_to=self._reply_to(model))
         try:
-            return self._handle(self._run(self._submit(job)), job)
+            self._run(self._submit(job))
+            return self._handle(job)
         finally:
             self._start_readers()
 
@@ -123,8 +124,7 @@ class Client(ClientCore):
             admitted = self._run(self._submit_jobs(jobs))
         finally:
             self._start_readers()
-        by_id = {job.request_id: job for job in jobs}
-        return [self._handle(rid, by_id[rid]) for rid in admitted]
+        return [self._handle(job) for job in admitted_jobs(jobs, admitted)]
 
     def status(self, request_id: str, *, model: str | None = None) -> JobStatus:
         """Where the job is: ``state`` is queued, running (taken by a worker: ``worker``
@@ -142,8 +142,8 @@ class Client(ClientCore):
         back), or Redis knows no queued job of that id. Cancelling twice is True twice."""
         return self._run(self._cancel(request_id, model))
 
-    def _handle(self, request_id: str, job: JobEnvelope) -> JobHandle:
-        return JobHandle(request_id, self, job.model, Lane(job.lane))
+    def _handle(self, job: JobEnvelope) -> JobHandle:
+        return JobHandle(job.request_id, self, job.model, Lane(job.lane))
 
     def set_queue_limit(self, lane: Lane | str, max_jobs: int | None, *,
                         model: str | None = None) -> None:
@@ -265,7 +265,8 @@ class AsyncClient(ClientCore):
                        content_type=content_type, request_id=request_id,
                        reply_to=self._reply_to(model))
         try:
-            return self._handle(await self._run(self._submit(job)), job)
+            await self._run(self._submit(job))
+            return self._handle(job)
         finally:
             self._start_readers()
 
@@ -279,8 +280,7 @@ class AsyncClient(ClientCore):
             admitted = await self._run(self._submit_jobs(jobs))
         finally:
             self._start_readers()
-        by_id = {job.request_id: job for job in jobs}
-        return [self._handle(rid, by_id[rid]) for rid in admitted]
+        return [self._handle(job) for job in admitted_jobs(jobs, admitted)]
 
     async def status(self, request_id: str, *, model: str | None = None) -> JobStatus:
         """As :meth:`Client.status`."""
@@ -290,8 +290,8 @@ class AsyncClient(ClientCore):
         """As :meth:`Client.cancel`."""
         return await self._run(self._cancel(request_id, model))
 
-    def _handle(self, request_id: str, job: JobEnvelope) -> AsyncJobHandle:
-        return AsyncJobHandle(request_id, self, job.model, Lane(job.lane))
+    def _handle(self, job: JobEnvelope) -> AsyncJobHandle:
+        return AsyncJobHandle(job.request_id, self, job.model, Lane(job.lane))
 
     async def set_queue_limit(self, lane: Lane | str, max_jobs: int | None, *,
                               model: str | None = None) -> None:

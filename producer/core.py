@@ -88,8 +88,7 @@ class ClientCore:
         payload, content_type = encode_payload(payload, content_type)
         self._check_payload(payload, content_type, params)
         request_id = request_id or new_request_id()
-        if not valid_request_id(request_id):
-            raise ValueError(f"invalid request id {request_id!r}")
+        _check_request_id(request_id)
         now_ms = int(time.time() * 1000)
         deadline = None if timeout_s is None else now_ms + int(timeout_s * 1000)
         return JobEnvelope(request_id=request_id, model=self.keys(model).model,
@@ -220,10 +219,9 @@ class ClientCore:
         the job, so that its waits hear of it at once."""
         keys = _checked(self.keys(model), request_id)
         waits = self.reply_waits.get(keys.model)
-        mine = waits is not None and waits.submitted(request_id)
+        reply_to = waits.key if waits is not None and waits.submitted(request_id) else None
         marker = JobEnvelope(request_id=request_id, model=keys.model, payload=b"",
-                             submitted_ms=int(time.time() * 1000),
-                             reply_to=waits.key if waits is not None and mine else None)
+                             submitted_ms=int(time.time() * 1000), reply_to=reply_to)
         reply = yield Script([*(keys.stream(lane) for lane in Lane), keys.owner(request_id)],
                              [request_id, marker.encode()[FIELD_JOB]], CANCEL_SCRIPT)
         word = (reply.decode() if isinstance(reply, bytes) else str(reply)).split(" ", 1)[0]
@@ -236,10 +234,21 @@ class ClientCore:
         return Gathering(self.reply_waits.get(keys.model), keys, request_ids, timeout_s, inbox)
 
 
-def _checked(keys: Keys, request_id: str) -> Keys:
-    """``keys``, once ``request_id`` is one (ValueError otherwise)."""
+def admitted_jobs(jobs: Sequence[JobEnvelope], admitted: Sequence[str]) -> list[JobEnvelope]:
+    """The envelopes of the ``admitted`` request ids, in their order (for the handles)."""
+    by_id = {job.request_id: job for job in jobs}
+    return [by_id[rid] for rid in admitted]
+
+
+def _check_request_id(request_id: str) -> None:
+    """ValueError unless ``request_id`` is one (PROTOCOL.md "Names")."""
     if not valid_request_id(request_id):
         raise ValueError(f"invalid request id {request_id!r:.140}")
+
+
+def _checked(keys: Keys, request_id: str) -> Keys:
+    """``keys``, once ``request_id`` is one (ValueError otherwise)."""
+    _check_request_id(request_id)
     return keys
 
 
