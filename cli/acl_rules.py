@@ -129,12 +129,13 @@ def producer_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[st
         "-@all", *_connection(version), "+eval", "+evalsha",
         # EVAL declares its keys read-write, so the script's keys are the root's; what
         # the script may do with them is decided command by command by the selectors.
-        *_keys(*streams, *limits, *owners, *(k.result(_ANY) for k in models)),
+        *_keys(*streams, *limits, *owners,
+               *(key for k in models for key in (k.result(_ANY), k.done(_ANY)))),
         _selector(("xadd", "xdel", "xlen", "xinfo|groups", "xpending"), _keys(*streams)),
         _selector(("hget",), _keys(*limits, mode="%R~")),
         _selector(("exists", "get", "set"), _keys(*owners)),
-        _selector(("get", "mget", "exists", "blpop", "lpop", "blmpop", "del"),
-                  _keys(*answers)),
+        _selector(("get", "mget", "exists", "blpop", "lpop", "blmpop", "blmove", "lindex",
+                   "del"), _keys(*answers)),
         # Which workers are alive (Client.workers, is_ready): read only.
         _selector(("zrange",), _keys(*fleets, mode="%R~")),
         _selector(("mget", "get"), _keys(*records, mode="%R~")),

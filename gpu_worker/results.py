@@ -293,9 +293,10 @@ class ResultWriter:
                 ops.append(_Op((i,), self._dead.add(pipe, answer.dead_letter), record=True))
             if answer.request_id is not None:
                 token = answer.reply_to is None  # a reply list's client waits on the list
+                keep = not (token and answer.envelope is not None and answer.envelope.done_only)
                 ops += [_Op((i,), what) for what in
                         self._answers.write(pipe, answer.request_id, answer.encoded,
-                                            self._ttl_ms, token)]
+                                            self._ttl_ms, token, keep)]
                 if answer.reply_to is not None:
                     replies.setdefault(answer.reply_to, []).append(i)
         ops += self._announce(pipe, answers, replies)

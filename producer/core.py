@@ -80,11 +80,14 @@ class ClientCore:
     def job(self, payload: Any, *, model: str | None = None, timeout_s: float | None = None,
             lane: Lane | str = Lane.INTERACTIVE, params: Mapping[str, Any] | None = None,
             content_type: str | None = None, request_id: str | None = None,
-            reply_to: str | None = None) -> JobEnvelope:
+            reply_to: str | None = None, done_only: bool = False) -> JobEnvelope:
         """A validated job envelope (not yet sent); ``submit`` takes the same keywords.
         ``payload`` is bytes, a str, a numpy array or a JSON value, encoded with its content
         type as ``common/protocol/payloads.py`` says (``content_type`` overrides the type).
-        Raises TypeError or ValueError for what a worker would refuse unread."""
+        ``done_only`` (for a job that names no reply list, awaited by a per-request waiter,
+        perhaps in another language): its answer is kept in its done list only (PROTOCOL.md
+        "Waiting for the result"). Raises TypeError or ValueError for what a worker would
+        refuse unread."""
         payload, content_type = encode_payload(payload, content_type)
         self._check_payload(payload, content_type, params)
         request_id = request_id or new_request_id()
@@ -94,7 +97,7 @@ class ClientCore:
         return JobEnvelope(request_id=request_id, model=self.keys(model).model,
                            payload=bytes(payload), content_type=content_type,
                            submitted_ms=now_ms, deadline_ms=deadline, lane=Lane(lane),
-                           params=dict(params or {}), reply_to=reply_to)
+                           params=dict(params or {}), reply_to=reply_to, done_only=done_only)
 
     def _check_payload(self, payload: bytes, content_type: str,
                        params: Mapping[str, Any] | None) -> None:
@@ -202,7 +205,8 @@ class ClientCore:
         NOTE [ Status and cancel ] in common/protocol/lifecycle.py)."""
         keys = _checked(self.keys(model), request_id)
         call = Script([keys.result(request_id), keys.owner(request_id),
-                       *(keys.stream(lane) for lane in Lane)], [], STATUS_SCRIPT)
+                       *(keys.stream(lane) for lane in Lane), keys.done(request_id)], [],
+                      STATUS_SCRIPT)
         try:
             reply = yield call
             return job_status(request_id, reply)

@@ -60,7 +60,7 @@ from redbatch.common.protocol import Keys, ResultEnvelope
 from redbatch.producer.calls import Command, Inbox, Outcome, Pause, Pipelined, Receive, Steps
 from redbatch.producer.errors import ResultTimeout, ResultUnreadable
 from redbatch.producer.wait import (
-    MIN_BLPOP_S,
+    MIN_BLOCK_S,
     POLL_S,
     RECONNECT_PAUSE_S,
     WAIT_SLICE_S,
@@ -226,7 +226,7 @@ class ReplyWaits:
         """How long the next BLMPOP blocks: up to the next sweep while anyone waits."""
         if not self._waiting:
             return WAIT_SLICE_S
-        return max(MIN_BLPOP_S, min(WAIT_SLICE_S, self._next_sweep - time.monotonic()))
+        return max(MIN_BLOCK_S, min(WAIT_SLICE_S, self._next_sweep - time.monotonic()))
 
     def _no_list(self, e: redis.ResponseError) -> None:
         """The list cannot be popped (it holds another type): poll from now on."""

@@ -1,18 +1,21 @@
 """Waiting for one result, written once for both clients as a generator of steps.
 
 The worker writes the result key and, for a job that names no reply list, pushes a copy
-of the result envelope onto the request's "done" list. The wait GETs the result key (these
-are ids the client did not submit itself, so their job may have named a reply list and have
-no done list); while it is absent it BLPOPs the done list for a slice (FIRST_SLICE_S,
-doubling up to WAIT_SLICE_S). A popped envelope is the result; anything else popped (the
-token ``1`` of older workers), or a slice that ends empty, means GET again. A job that named
+of the result envelope onto the request's "done" list (a ``done_only`` job's answer is in
+that list alone). The wait GETs the result key (these are ids the client did not submit
+itself, so their job may have named a reply list and have no done list); while it is absent
+it waits on the done list for a slice (FIRST_SLICE_S, doubling up to WAIT_SLICE_S) with a
+BLMOVE of the list onto itself, which returns its first element and leaves it there: the
+job's own waiter may be another client, and a done-only answer has no other copy. An
+envelope is the result; a slice that ends empty means GET again, and anything else (the
+token ``1`` of older workers, a planted element) means polling GET from then on. A job that named
 a reply list has no done list: the GET after the slice finds its result, so the slices
 start short. The result key is durable (until its TTL), so a
 connection that drops loses nothing: the wait pauses, reconnects and GETs again.
 
 The wait honours its timeout whatever Redis does: every call has a due time (see
 :meth:`_Wait.reply_by`), so a Redis that is gone, restarting or hung ends it with
-ResultTimeout, about 0.2 s late at worst. A done key of another type (BLPOP answers
+ResultTimeout, about 0.2 s late at worst. A done key of another type (BLMOVE answers
 WRONGTYPE) does not end it either: from then on it polls the result key.
 
 This is the per-request path: a client waits this way for ids it did not submit naming
@@ -33,17 +36,18 @@ from redbatch.producer.errors import ResultTimeout, ResultUnreadable
 
 logger = logging.getLogger(__name__)
 
-#: Longest single BLPOP; short enough that a dead connection is noticed and retried, and
-#: under the client's socket timeout (RedisSettings.socket_timeout_s, 10 s).
+#: Longest single block on the done key; short enough that a dead connection is noticed
+#: and retried, and under the client's socket timeout (RedisSettings.socket_timeout_s, 10 s).
 WAIT_SLICE_S = 5.0
-#: First BLPOP of a per-request wait, s; each next one is twice as long, to WAIT_SLICE_S.
+#: First block of a per-request wait, s; each next one is twice as long, to WAIT_SLICE_S.
 FIRST_SLICE_S = 0.25
 #: Pause after a lost or late connection before the next call.
 RECONNECT_PAUSE_S = 0.2
-#: GET interval while the done key cannot be BLPOPped (it holds another type).
+#: GET interval while the done key cannot be waited on (it holds another type).
 POLL_S = 0.25
-#: Shortest BLPOP sent: Redis reads a timeout under 1 ms as 0, which blocks forever.
-MIN_BLPOP_S = 0.01
+#: Shortest block sent (BLMOVE, BLMPOP): Redis reads a timeout under 1 ms as 0, which
+#: blocks forever.
+MIN_BLOCK_S = 0.01
 #: A reply is always allowed this long, even at the deadline (one GET at timeout_s=0).
 MIN_REPLY_S = 0.2
 
@@ -64,10 +68,15 @@ def wait_for_result(request_id: str, keys: Keys, timeout_s: float,
             data = yield from _get(wait)
             if data is not None:
                 return wait.decode(data)
-            if wait.blpop:
-                popped = yield from _block(wait)
-                if popped is not None and (result := wait.token(popped)) is not None:
-                    return result
+            if wait.blocks:
+                first = yield from _block(wait)
+                if first is not None:
+                    if (result := wait.token(first)) is not None:
+                        return result
+                    # Not this id's envelope (an older worker's token ``1``, a planted
+                    # element): it stays first in the list, so the next BLMOVE would not
+                    # block. Poll the result key from now on.
+                    wait.blocks = False
             else:
                 yield Pause(wait.pause_s(POLL_S))
         except (redis.ConnectionError, redis.TimeoutError):
@@ -87,16 +96,19 @@ def _get(wait: _Wait) -> Steps[object]:
 
 
 def _block(wait: _Wait) -> Steps[object]:
-    """BLPOP the done key until the next slice ends: the element popped, or None (the slice
-    ended empty, or the pop failed and the wait polls from now on)."""
+    """Wait on the done key until the next slice ends, without popping (BLMOVE of the list
+    onto itself, LEFT to LEFT: its first element, which stays): the element, or None (the
+    slice ended empty, or the call failed and the wait polls from now on). Not popping
+    keeps a ``done_only`` job's answer, whose only copy the list holds, for other readers."""
     seconds = wait.pause_s(wait.next_slice_s())
+    done = wait.done_key
     try:
-        reply = yield Command(("BLPOP", wait.done_key, round(seconds, 3)),
+        reply = yield Command(("BLMOVE", done, done, "LEFT", "LEFT", round(seconds, 3)),
                               wait.reply_by(seconds))
     except redis.ResponseError as e:
-        wait.no_blpop(e)
+        wait.no_block(e)
         return None
-    return reply[1] if isinstance(reply, (list, tuple)) and len(reply) == 2 else None
+    return reply
 
 
 def reply_by(deadline: float, blocking_s: float = 0.0) -> float:
@@ -135,10 +147,10 @@ class _Wait:
     timeout_s: float
     deadline: float
     """Monotonic time the wait ends."""
-    blpop: bool = True
-    """False once BLPOP on the done key failed (it holds another type): poll GET instead."""
+    blocks: bool = True
+    """False once BLMOVE on the done key failed (it holds another type): poll GET instead."""
     slice_s: float = FIRST_SLICE_S
-    """How long the next BLPOP may block, s."""
+    """How long the next block may last, s."""
 
     @property
     def result_key(self) -> str:
@@ -158,10 +170,10 @@ class _Wait:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             raise ResultTimeout(self.request_id, self.timeout_s)
-        return max(MIN_BLPOP_S, min(remaining, longest))
+        return max(MIN_BLOCK_S, min(remaining, longest))
 
     def next_slice_s(self) -> float:
-        """The next BLPOP's longest block, s: FIRST_SLICE_S, doubling to WAIT_SLICE_S."""
+        """The next block's longest, s: FIRST_SLICE_S, doubling to WAIT_SLICE_S."""
         seconds, self.slice_s = self.slice_s, min(WAIT_SLICE_S, self.slice_s * 2)
         return seconds
 
@@ -185,8 +197,8 @@ class _Wait:
         type (see :func:`unreadable`)."""
         return unreadable(self.request_id, self.result_key, e)
 
-    def no_blpop(self, e: redis.ResponseError) -> None:
-        """BLPOP on the done key failed with ``e``: poll the result key from now on."""
-        logger.warning("cannot BLPOP %s (%s); polling %s every %g s instead", self.done_key,
+    def no_block(self, e: redis.ResponseError) -> None:
+        """BLMOVE on the done key failed with ``e``: poll the result key from now on."""
+        logger.warning("cannot wait on %s (%s); polling %s every %g s instead", self.done_key,
                        str(e)[:100], self.result_key, POLL_S)
-        self.blpop = False
+        self.blocks = False

@@ -111,15 +111,17 @@ def test_a_planted_done_key_makes_the_wait_poll_the_result_key(
 def test_the_done_token_is_the_result_and_any_other_token_sends_the_wait_to_the_result_key(
         client: Client, r: redis.Redis, keys: Keys) -> None:
     """Workers push the result envelope itself as the done token (PROTOCOL.md "Waiting for
-    the result"): the pop is the answer, no second GET. The token ``1`` of older workers,
-    or an envelope of another id, only says "read the result key"."""
+    the result"): the wait on the done list (BLMOVE onto itself, which leaves the token
+    there) is the answer, no second GET. The token ``1`` of older workers, or an envelope
+    of another id, only says "read the result key"."""
     r.rpush(keys.done("t1"), _result("t1"))
     r.config_resetstat()
     assert client.result("t1", timeout_s=5).output == {"label": "x"}
     calls = {name.removeprefix("cmdstat_"): stat["calls"]
              for name, stat in r.info("commandstats").items()}
     # The first GET: an id this client did not submit may have named a reply list.
-    assert (calls.get("get"), calls.get("blpop")) == (1, 1), calls
+    assert (calls.get("get"), calls.get("blmove")) == (1, 1), calls
+    assert r.lrange(keys.done("t1"), 0, -1) == [_result("t1")], "not consumed"
     for rid, token in (("t2", b"1"), ("t3", _result("someone-else"))):
         r.rpush(keys.done(rid), token)
         timer = threading.Timer(0.3, lambda rid=rid: r.set(keys.result(rid), _result(rid)))

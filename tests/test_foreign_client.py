@@ -192,3 +192,29 @@ def test_node_client_reads_status_and_cancels_with_the_pages_scripts(
     late = run_client(node_client, redis_url, "--cancel", f"--rid={kept}")
     assert not late["cancelled"] and late["cancel"] == "taken", late
     assert run_client(node_client, redis_url, "--status", "--rid=nobody")["state"] == "unknown"
+
+
+def test_node_client_done_only_job_is_answered_in_its_done_list_alone(
+        node_client: Path, redis_url: str, r: redis.Redis, start_worker: WorkerFactory) -> None:
+    """A done-only job written from the page: the worker writes no result key, only the
+    done list; the Node client's wait (BLMOVE onto itself) leaves the envelope there, so
+    the page's status script (five keys) says ``done`` and a Python client that did not
+    submit it reads it, twice, without consuming it."""
+    from redbatch.producer.client import Client
+
+    start_worker()
+    out = run_client(node_client, redis_url, str(SAMPLES / "cat.jpg"), "--admit",
+                     "--done-only", "--rid=node-done-only")
+    assert (out["status"], out["label"] in CAT_LABELS) == ("ok", True), out
+    base = f"redbatch:{{{TEST_MODEL}}}"
+    assert not r.exists(f"{base}:result:node-done-only")
+    assert r.llen(f"{base}:done:node-done-only") == 1
+    assert r.pttl(f"{base}:done:node-done-only") > 0
+    status = run_client(node_client, redis_url, "--status", "--rid=node-done-only")
+    assert status["state"] == "done", status
+    with Client(redis_url) as client:
+        for _ in range(2):
+            assert client.result("node-done-only", timeout_s=10).output == out["result"]["output"]
+        assert client.status("node-done-only").state.value == "done"
+    assert r.llen(f"{base}:done:node-done-only") == 1
+    assert pending_count(r) == 0

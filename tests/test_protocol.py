@@ -49,6 +49,10 @@ def test_job_round_trip() -> None:
     encoded = {k.encode(): v for k, v in original.encode().items()}
     assert JobEnvelope.decode(encoded, MAX) == original
     assert original.budget_ms == 2000
+    assert b"done_only" not in original.encode()[p.FIELD_JOB]  # written only when set
+    done_only = job(done_only=True)
+    fields = {k.encode(): v for k, v in done_only.encode().items()}
+    assert JobEnvelope.decode(fields, MAX) == done_only
 
 
 def test_result_round_trip_ok_and_error() -> None:
@@ -89,6 +93,7 @@ def test_unsafe_model_names_are_refused(name: str) -> None:
     ({k: v for k, v in good_body().items() if k != "model"}, ErrorCode.BAD_ENVELOPE),
     ({**good_body(), "payload": "text, not bin"}, ErrorCode.BAD_ENVELOPE),
     ({**good_body(), "lane": "vip"}, ErrorCode.BAD_ENVELOPE),
+    ({**good_body(), "done_only": 1}, ErrorCode.BAD_ENVELOPE),
     ({**good_body(), "model": "../../x"}, ErrorCode.BAD_ENVELOPE),
     ({**good_body(), "params": {"a": {"nested": [1]}}}, ErrorCode.BAD_ENVELOPE),
     ({**good_body(), "params": [1, 2]}, ErrorCode.BAD_ENVELOPE),
@@ -167,7 +172,7 @@ def test_doc_lists_every_error_code() -> None:
 
 
 def test_doc_job_envelope_matches_code() -> None:
-    encoded = msgpack.unpackb(job(reply_to="x").encode()[p.FIELD_JOB])
+    encoded = msgpack.unpackb(job(reply_to="x", done_only=True).encode()[p.FIELD_JOB])
     assert _table_first_column("### Job envelope") == set(encoded)
 
 
@@ -420,8 +425,8 @@ def test_doc_gives_the_status_and_cancel_scripts_and_their_replies() -> None:
 
     for script in (p.STATUS_SCRIPT, p.CANCEL_SCRIPT):
         assert f"```lua\n{script}```" in DOC, script.splitlines()[0]
-    assert "EVALSHA <sha1> 4 P:{M}:result:ID P:{M}:owner:ID P:{M}:jobs:interactive " \
-           "P:{M}:jobs:bulk" in DOC
+    assert "EVALSHA <sha1> 5 P:{M}:result:ID P:{M}:owner:ID P:{M}:jobs:interactive " \
+           "P:{M}:jobs:bulk P:{M}:done:ID" in DOC
     assert "EVALSHA <sha1> 3 P:{M}:jobs:interactive P:{M}:jobs:bulk P:{M}:owner:ID ID " \
            "<msgpack job envelope>" in DOC
     made = set(re.findall(r"return '([a-z]+)", p.CANCEL_SCRIPT))

@@ -77,7 +77,8 @@ TTL_DIGITS = int(_found(r"positive integer of at most (\d+) digits, written in d
                 for row in _page_table("## Names") if row[0] == "request id")
 (NAME_CHARS,) = (int(_found(r"^1–(\d+) characters", row[1]))
                  for row in _page_table("## Names") if row[0] == "model name")
-ENVELOPE_KEYS = {row[0] for row in _page_table("### Job envelope")} - {"reply_to"}
+#: The envelope keys every job carries (the page's table less its two optional ones).
+ENVELOPE_KEYS = {row[0] for row in _page_table("### Job envelope")} - {"reply_to", "done_only"}
 REPLIES = "#### Replies, as they arrive"
 ELEMENT_TABLE, CALL_ERROR_TABLE = _page_tables(REPLIES)
 ELEMENT_FORMS = [row[0] for row in ELEMENT_TABLE]  # an element of the array reply

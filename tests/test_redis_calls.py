@@ -7,7 +7,8 @@ move in groups as they do under load.
 The budgets (BENCHMARKS.md "Redis calls per job"): on the reply-list path each job costs
 its XADD, its owner SET and its result SET, and everything else is paid per group; on the
 per-request path a job also costs its done token (RPUSH and PEXPIRE: a list cannot be
-created with a TTL) and its client's BLPOP, which pops the result envelope itself.
+created with a TTL) and its client's BLPOP, which pops the result envelope itself; a
+``done_only`` job saves the result SET (its done list is its answer's only home).
 """
 
 from __future__ import annotations
@@ -139,3 +140,50 @@ def test_the_per_request_path_costs_a_token_and_one_wait_per_job_on_top(
     # read, a transaction, an acknowledgement per flush) on top.
     assert own <= 6 + 0.1, calls
     assert _job_path(calls) <= 6.5 * N_JOBS, calls
+
+
+def test_the_done_only_per_request_path_costs_at_most_six_calls_per_job(
+        redis_url: str, r: redis.Redis, start_worker: WorkerFactory) -> None:
+    """Done-only jobs (PROTOCOL.md "Waiting for the result"), each awaited by a waiter of its
+    own that BLMOVEs its done list onto itself: no result key, so a job costs its entry, its
+    owner claim, its done list (RPUSH, PEXPIRE) and its wait, five calls, and the groups'
+    share stays under one more."""
+    keys = Keys(NULL)
+    with Client(redis_url, model=NULL) as client:
+        client.submit_many([PHOTO], timeout_s=60)
+        r.config_resetstat()
+        ids = client.submit_jobs([client.job(PHOTO, timeout_s=120, done_only=True)
+                                  for _ in range(N_JOBS)])
+    pool = redis.ConnectionPool.from_url(redis_url, max_connections=N_JOBS + 10,
+                                         socket_timeout=30)
+    waiter = redis.Redis(connection_pool=pool)
+    got: dict[str, object] = {}
+
+    def wait(rid: str) -> None:
+        done = keys.done(rid)
+        while (first := waiter.blmove(done, done, 5, "LEFT", "LEFT")) is None:
+            pass
+        got[rid] = first
+
+    threads = [threading.Thread(target=wait, args=(rid,)) for rid in ids]
+    for thread in threads:
+        thread.start()
+    start_worker(*GPU_LIKE, model=NULL)
+    for thread in threads:
+        thread.join(90)
+    pool.disconnect()
+    calls = _calls(r)
+    assert len(got) == N_JOBS and all(got.values())
+    assert {ResultEnvelope.decode(data).request_id for data in got.values()} == set(ids)
+    assert all(r.llen(keys.done(rid)) == 1 for rid in ids[:20])  # read, not consumed
+    own = _per_job(calls, "xadd", "set", "rpush", "pexpire", "blmove", "get")
+    print(f"\ndone-only per-request path: {_total(calls) / N_JOBS:.2f} calls per job, "
+          f"{_job_path(calls) / N_JOBS:.2f} without the clock's, {own:.2f} of them each "
+          f"job's own: {calls}")
+    assert calls.get("xadd", 0) == N_JOBS, calls
+    # The owner claims alone: no result key (+ the fleet status keys).
+    assert N_JOBS <= calls.get("set", 0) <= N_JOBS + 20, calls
+    assert N_JOBS <= calls.get("rpush", 0) <= N_JOBS + 5, calls
+    assert calls.get("blmove", 0) <= N_JOBS + 5 and calls.get("get", 0) <= 5, calls
+    assert own <= 5 + 0.1, calls
+    assert _job_path(calls) <= 6 * N_JOBS, calls

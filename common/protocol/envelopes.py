@@ -106,6 +106,11 @@ class JobEnvelope:
     params: Mapping[str, Any] = field(default_factory=dict)
     reply_to: str | None = None
     """Optional reply list (see Keys.reply) that receives the request id when done."""
+    done_only: bool = False
+    """Keep the answer in the done list only, with no result key (PROTOCOL.md "Waiting
+    for the result"): one command per job less for a per-request waiter, and one copy of
+    the envelope in Redis instead of two. Ignored with ``reply_to`` (whose client reads
+    result keys)."""
     version: int = PROTOCOL_VERSION
 
     def encode(self) -> dict[str, bytes]:
@@ -122,6 +127,8 @@ class JobEnvelope:
         }
         if self.reply_to is not None:
             body["reply_to"] = self.reply_to
+        if self.done_only:
+            body["done_only"] = True
         return {FIELD_REQUEST_ID: self.request_id.encode(), FIELD_JOB: packb(body)}
 
     @property
@@ -227,6 +234,9 @@ def _job_from_body(request_id: str, body: Any, max_payload_bytes: int) -> JobEnv
     reply_to = body.get("reply_to")
     if reply_to is not None and not isinstance(reply_to, str):
         raise ProtocolError(ErrorCode.BAD_ENVELOPE, "field 'reply_to' must be a string or nil")
+    done_only = body.get("done_only", False)
+    if type(done_only) is not bool:
+        raise ProtocolError(ErrorCode.BAD_ENVELOPE, "field 'done_only' must be a boolean")
     if len(body["content_type"].encode(errors="surrogatepass")) > MAX_CONTENT_TYPE_BYTES:
         raise ProtocolError(ErrorCode.BAD_ENVELOPE,
                             f"content_type longer than {MAX_CONTENT_TYPE_BYTES} bytes")
@@ -240,6 +250,7 @@ def _job_from_body(request_id: str, body: Any, max_payload_bytes: int) -> JobEnv
         lane=lane,
         params=_check_params(body["params"]),
         reply_to=reply_to,
+        done_only=done_only,
     )
 
 

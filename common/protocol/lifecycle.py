@@ -5,7 +5,8 @@ NOTE [ Status and cancel ]
   Nothing new is stored to know where a job is. Its owner key (``Keys.owner``) names its
   stream entry and lane (``<entry id> <lane>``, :func:`owner_value`), the consumer group
   says how far workers have read each lane (``last-delivered-id``) and which entries they
-  hold (XPENDING), and the result key holds the answer. STATUS_SCRIPT reads them in one
+  hold (XPENDING), and the result key (or, for a ``done_only`` job, the done list) holds
+  the answer. STATUS_SCRIPT reads them in one
   round trip, as one snapshot (a worker writes a result and acknowledges its entry in one
   MULTI, so no read falls between the two); :func:`job_status` decides. It writes nothing
   and costs the workers nothing.
@@ -165,12 +166,12 @@ def _bytes(value: object) -> bytes:
 
 
 STATUS_SCRIPT = f"""\
--- redbatch status script, protocol 1 (revision 1)
+-- redbatch status script, protocol 1 (revision 2)
 -- KEYS: P:{{M}}:result:<request id>  P:{{M}}:owner:<request id>
---       P:{{M}}:jobs:interactive  P:{{M}}:jobs:bulk
+--       P:{{M}}:jobs:interactive  P:{{M}}:jobs:bulk  [P:{{M}}:done:<request id>]
 -- reply: result, owner, last-delivered-id, consumer, deliveries (nil when absent)
-if #KEYS ~= 4 or #ARGV ~= 0 then
-  return redis.error_reply('BAD_CALL expected 4 keys and no arguments')
+if (#KEYS ~= 4 and #KEYS ~= 5) or #ARGV ~= 0 then
+  return redis.error_reply('BAD_CALL expected 4 or 5 keys and no arguments')
 end
 local name = '[A-Za-z0-9][A-Za-z0-9_.%-]*'
 local base = KEYS[3]:match('^(.+):jobs:interactive$') or ''
@@ -178,11 +179,16 @@ local prefix, model = base:match('^(' .. name .. '):{{(' .. name .. ')}}$')
 local rid = KEYS[1]:sub(#base + 9)
 if not prefix or #prefix > {MAX_NAME_CHARS} or #model > {MAX_NAME_CHARS}
    or KEYS[4] ~= base .. ':jobs:bulk' or KEYS[1] ~= base .. ':result:' .. rid
-   or KEYS[2] ~= base .. ':owner:' .. rid then
+   or KEYS[2] ~= base .. ':owner:' .. rid
+   or (KEYS[5] and KEYS[5] ~= base .. ':done:' .. rid) then
   return redis.error_reply('BAD_CALL the keys are not one request id of one model')
 end
 local result = redis.call('GET', KEYS[1])
 if result then return {{result}} end
+if KEYS[5] then
+  local first = redis.pcall('LINDEX', KEYS[5], 0)
+  if type(first) == 'string' then return {{first}} end
+end
 local owner = redis.pcall('GET', KEYS[2])
 if type(owner) ~= 'string' then return {{false}} end
 local entry, lane = owner:match('^(%d+%-%d+) ?(%l*)')
@@ -204,10 +210,12 @@ end
 return {{false, owner, last, holder, deliveries}}
 """
 """Read where one job is, in one atomic call that writes nothing (see NOTE [ Status and
-cancel ]): replies an array of five, nil where absent: the result key's value (then nothing
-else follows), the owner key's value, the consumer group's ``last-delivered-id`` on the
-owner's lane (interactive when the owner names none; nil: no group yet), and, when the
-owner's entry is pending, the consumer that holds it and how many times it was delivered.
+cancel ]): replies an array of five, nil where absent: the answer (then nothing else
+follows: the result key's value, else, when the fifth key is given, the first element of
+the done list, where a ``done_only`` job's answer lives), the owner key's value, the
+consumer group's ``last-delivered-id`` on the owner's lane (interactive when the owner
+names none; nil: no group yet), and, when the owner's entry is pending, the consumer that
+holds it and how many times it was delivered.
 A result key of another type is an error reply (WRONGTYPE): the answer cannot be read."""
 
 

@@ -81,7 +81,8 @@ class OwnerKeys:
 class AnswerKeys:
     """The answer to one model's request ids: the result key (``Keys.result``, the msgpack
     ResultEnvelope) and the done list (``Keys.done``, a copy of that envelope pushed once
-    the result is written, for one client to BLPOP: its wait is then one call). Written once
+    the result is written, for one client to BLPOP: its wait is then one call; for a
+    ``done_only`` job, the envelope's only copy, read without popping it). Written once
     by a worker (:meth:`write`); read by clients; deleted by a client that read it, with the
     id's owner (:meth:`OwnerKeys.free`), or expired."""
 
@@ -93,27 +94,32 @@ class AnswerKeys:
         return self.keys.result(request_id), self.keys.done(request_id)
 
     def write(self, pipe: redis.Redis, request_id: str, encoded: bytes, ttl_ms: int,
-              token: bool = True) -> list[str]:
+              token: bool = True, result_key: bool = True) -> list[str]:
         """Queue the result (SET NX GET PX) and, with ``token``, its done token (RPUSH of the
         same envelope, PEXPIRE), all living ``ttl_ms``. A job that names a reply list gets
         no token: its client waits on that list (PROTOCOL.md "Waiting for the result").
-        Returns ``"<command> <key>"`` per command queued, in order.
+        Without ``result_key`` (a ``done_only`` job) the done list is the answer's only home:
+        no SET. Returns ``"<command> <key>"`` per command queued, in order.
 
         NX: a job run twice (taken over from a stuck worker) keeps its first result, so a
-        late write never changes what a client already read. GET makes a key of another
-        type planted there fail (WRONGTYPE) instead of passing for a first result. The token
-        of a second run carries that run's envelope (a transaction cannot make the push
-        depend on the SET); both answer the same entry."""
+        late write never changes what a client already read (a done-only job's readers take
+        the list's first element, which a second run's push does not change). GET makes a
+        key of another type planted there fail (WRONGTYPE) instead of passing for a first
+        result. The token of a second run carries that run's envelope (a transaction cannot
+        make the push depend on the SET); both answer the same entry."""
         result, done = self.names(request_id)
         # execute_command rather than set(): the same command, without redis-py's checks of
         # eleven keyword options on every job (``get`` tells its reply parser about GET).
         command = cast(Any, pipe).execute_command  # untyped in redis-py
-        command("SET", result, encoded, "NX", "GET", "PX", ttl_ms, get=True)
-        if not token:
-            return [f"SET {result}"]
-        command("RPUSH", done, encoded)
-        command("PEXPIRE", done, ttl_ms)
-        return [f"SET {result}", f"RPUSH {done}", f"PEXPIRE {done}"]
+        queued = []
+        if result_key or not token:
+            command("SET", result, encoded, "NX", "GET", "PX", ttl_ms, get=True)
+            queued.append(f"SET {result}")
+        if token:
+            command("RPUSH", done, encoded)
+            command("PEXPIRE", done, ttl_ms)
+            queued += [f"RPUSH {done}", f"PEXPIRE {done}"]
+        return queued
 
     def exists(self, pipe: redis.Redis, request_id: str) -> None:
         """Queue EXISTS of the id's result key (1 once it is written, 0 before)."""

@@ -4,7 +4,9 @@
 //   node submit.mjs REDIS_URL IMAGE_PATH [MODEL] [PREFIX]   submit one image, wait, print result
 //   node submit.mjs REDIS_URL --raw-garbage [MODEL] [PREFIX] submit a `job` that is not msgpack
 // Options, anywhere: --admit submits through the admission script, taken from PROTOCOL.md
-// itself, instead of a plain XADD; --rid=ID uses that request id instead of a fresh one.
+// itself, instead of a plain XADD; --rid=ID uses that request id instead of a fresh one;
+// --done-only sets the envelope's done_only: the answer then lives in the done list alone,
+// awaited without popping (BLMOVE of the list onto itself) and read with LINDEX.
 //
 //   node submit.mjs REDIS_URL --status --rid=ID [MODEL] [PREFIX]  print where job ID is
 //   node submit.mjs REDIS_URL --cancel --rid=ID [MODEL] [PREFIX]  cancel job ID if queued
@@ -24,7 +26,7 @@ import { createClient, RESP_TYPES } from 'redis';
 import { encode, decode } from '@msgpack/msgpack';
 
 const argv = process.argv.slice(2);
-const MODES = ['--admit', '--status', '--cancel'];
+const MODES = ['--admit', '--status', '--cancel', '--done-only'];
 const options = argv.filter((a) => MODES.includes(a) || a.startsWith('--rid='));
 const lookup = options.includes('--status') ? 'status'
   : options.includes('--cancel') ? 'cancel' : null;
@@ -38,6 +40,7 @@ if (!url || !input || (lookup && !ridOptionOf(options))) {
 }
 function ridOptionOf(opts) { return opts.find((a) => a.startsWith('--rid=')); }
 const admit = options.includes('--admit');
+const doneOnly = options.includes('--done-only');
 const ridOption = ridOptionOf(options);
 
 const WAIT_MS = 60_000;        // give up after this long
@@ -83,8 +86,9 @@ if (lookup) {
       ownerKey, rid, marker], asBytes));
     out = { id: rid, cancel: reply, cancelled: reply.split(' ')[0] === 'cancelled' };
   } else {
+    // Five keys: the done list last, where a done-only job's answer lives.
     const [result, owner, last, consumer, deliveries] = await conn.sendCommand(['EVAL',
-      pageScript('status'), '4', resultKey, ownerKey, ...lanes], asBytes);
+      pageScript('status'), '5', resultKey, ownerKey, ...lanes, doneKey], asBytes);
     out = { id: rid, state: null, worker: null, deliveries: null, error_code: null };
     // The page's table, row by row.
     const entry = owner ? /^(\d+)-(\d+)/.exec(owner.toString()) : null;
@@ -129,6 +133,7 @@ if (input === '--raw-garbage') {
     deadline_ms: deadline,
     lane: 'interactive',
     params: {},
+    ...(doneOnly ? { done_only: true } : {}),
   }));
 }
 
@@ -191,6 +196,14 @@ let raw = null;
 while (raw === null && Date.now() < giveUpAt) {
   // Whole seconds: fractional BLPOP timeouts need Redis >= 6.
   const seconds = Math.max(1, Math.min(BLPOP_SECONDS, Math.ceil((giveUpAt - Date.now()) / 1000)));
+  if (doneOnly) {
+    // The page's done-only steps: wait without popping; the element stays for later readers.
+    const first = await client.sendCommand(['BLMOVE', doneKey, doneKey, 'LEFT', 'LEFT',
+      String(seconds)]);
+    raw = first === null ? null : envelopeOf(first);
+    if (raw === null) raw = envelopeOf(await client.lIndex(doneKey, 0) ?? Buffer.alloc(0));
+    continue;
+  }
   const popped = await client.blPop(doneKey, seconds);
   raw = popped === null ? null : envelopeOf(popped.element);
   if (raw === null) raw = await client.get(resultKey);
