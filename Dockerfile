@@ -18,6 +18,8 @@ COPY producer ./producer
 COPY handlers ./handlers
 COPY gpu_worker ./gpu_worker
 COPY preproc_worker ./preproc_worker
+# Package data: calibration checks a variant's answers on the sample photos.
+COPY samples ./samples
 RUN pip install --no-cache-dir ".[worker]"
 
 # Run as an unprivileged user; SIGTERM lets the worker drain (see stop_grace_period).

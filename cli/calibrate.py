@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 @o.CPU_LANES(help="CPU: batches run at once, as the worker runs them; 0: what the worker "
                   "would use.")
 @o.MEMORY_WATERMARK(help="CUDA: share of device memory the sweep leaves free.")
+@o.ALLOW_REDUCED_PRECISION()
 @o.PROFILE_DIR(help="Where profiles are stored (default: ~/.cache/redbatch/profiles).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Profile file to write [default: <profile dir>/<model>--<device>.json].")
@@ -50,9 +51,11 @@ if TYPE_CHECKING:
 def calibrate(**options: Any) -> None:
     """Measure the model alone on the device and store its profile for `redbatch worker`.
 
-    Times batch sizes 1, 2, 4, ... for each device-path variant, picks the smallest
-    batch size reaching 95% of the peak throughput within the latency budget and the
-    fastest variant, and prints the table and the choice.
+    Times batch sizes 1, 2, 4, ... for each device-path variant, checks each variant's
+    answers against the plain model's on real samples (the sample photos and crops of
+    them: 99.5% must keep their top class), picks the smallest batch size reaching 95% of
+    the peak throughput within the latency budget and the fastest faithful variant, and
+    prints the table and the choice.
     """
     from redbatch.gpu_worker.malloc_tuning import reexec_with_malloc_tuning
 
@@ -88,4 +91,5 @@ def _settings(options: dict[str, Any], lanes: int) -> CalibrationSettings:
         max_batch=options["max_batch"], latency_budget_ms=options["latency_budget_ms"],
         runs=options["runs"], warmup_runs=options["warmup_runs"],
         try_compile=options["try_compile"], variants=tuple(options["variants"]),
-        memory_watermark=options["memory_watermark"], lanes=lanes)
+        memory_watermark=options["memory_watermark"], lanes=lanes,
+        allow_reduced_precision=options["allow_reduced_precision"])

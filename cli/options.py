@@ -135,6 +135,12 @@ MEMORY_WATERMARK = option("--memory-watermark", env="MEMORY_WATERMARK",
 PROFILE_DIR = option("--profile-dir", env="PROFILE_DIR",
                      default=default_of(TuneSettings, "profile_dir"),
                      help="Calibration profiles directory (default: ~/.cache/redbatch/profiles).")
+ALLOW_REDUCED_PRECISION = option(
+    "--allow-reduced-precision/--faithful", env="ALLOW_REDUCED_PRECISION",
+    default=default_of(TuneSettings, "allow_reduced_precision"),
+    help="Let calibration choose reduced precision (bf16/fp16 autocast) for speed although "
+         "it changes the plain model's top class on more than 0.5% of real samples (or "
+         "was never checked on any) [default: faithful: never].")
 LATENCY_BUDGET_MS = option("--latency-budget-ms", env="LATENCY_BUDGET_MS",
                            type=click.FloatRange(min=0),
                            default=default_of(TuneSettings, "latency_budget_ms"))

@@ -110,6 +110,7 @@ _tuning_options = together(
              "quickly and store one when there is none; load: only load; off: no profile."),
     o.PROFILE_DIR(),
     o.LATENCY_BUDGET_MS(help="p95 batch latency allowed when calibrating, ms (0: no limit)."),
+    o.ALLOW_REDUCED_PRECISION(),
     opt("--channels-last/--no-channels-last", env="CHANNELS_LAST",
         default=default_of(ModelSettings, "channels_last"), show_default=False,
         help="Run the model in channels_last memory format [default: the calibration "
@@ -187,6 +188,7 @@ def build_settings(options: dict[str, Any]) -> Settings:
         tune=TuneSettings(calibrate=options["calibrate"], profile_dir=options["profile_dir"],
                           latency_budget_ms=options["latency_budget_ms"],
                           memory_watermark=options["memory_watermark"],
+                          allow_reduced_precision=options["allow_reduced_precision"],
                           explicit=options.get("explicit", default_of(TuneSettings, "explicit"))),
         consumer=options["consumer"] or default_consumer_name(),
         result_ttl_s=options["result_ttl_s"],

@@ -251,6 +251,9 @@ class TuneSettings:
     latency_budget_ms: float = 0.0
     #: CUDA: share of device memory kept free; the batch limit drops before it is reached.
     memory_watermark: float = 0.1
+    #: Reduced precision (autocast) may be chosen although it changes the plain model's
+    #: top class on more than 0.5% of real samples, or was never checked on any.
+    allow_reduced_precision: bool = False
     #: Settings given explicitly (flag or variable), which a profile never overrides:
     #: names among TUNABLE.
     explicit: frozenset[str] = frozenset()

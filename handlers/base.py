@@ -44,6 +44,13 @@ class Handler(Protocol):
     cast of a tensor payload: cheaper than the hop to a pool process and back, and unable to
     crash the process), so the worker runs it in its own main loop, with no pool hop. A
     handler without the attribute goes through the pool (:func:`preprocesses_inline`).
+
+    Optional: ``calibration_samples(n)`` returns ``n`` real inputs as (payload, content
+    type) pairs, like the ones the model serves. Calibration runs every variant on them and
+    keeps only variants that give the plain model's top class on nearly all
+    (gpu_worker/tuning/profile.py MIN_TOP1_AGREEMENT). Without it, a reduced-precision
+    variant is never chosen unless the operator allows it (``--allow-reduced-precision``).
+    The image classifiers return the sample photos and crops of them (handlers/samples.py).
     """
 
     input_shape: tuple[int, ...]

@@ -53,6 +53,13 @@ class ImageClassifier:
     def load(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
         raise NotImplementedError
 
+    def calibration_samples(self, n: int) -> list[tuple[bytes, str]]:
+        """``n`` real inputs (payload, content type) on which calibration checks that a
+        faster variant keeps the answers: the sample photos and crops of them."""
+        from redbatch.handlers.samples import augmented_photos
+
+        return [(photo, "image/jpeg") for photo in augmented_photos(n)]
+
     def postprocess(self, outputs: torch.Tensor,
                     params: Sequence[Mapping[str, Any]]) -> list[Any]:
         probs = outputs.float().softmax(dim=1)

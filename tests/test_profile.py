@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from redbatch.gpu_worker.tuning.profile import (
     Row,
     Variant,
     choose,
+    eligible_choice,
     load_profile,
     pick_max_batch,
     pick_variant,
@@ -78,7 +80,8 @@ def test_preferred_sizes_are_those_faster_than_a_smaller_one() -> None:
 
 def test_choose_combines_the_rules_and_keeps_every_latency() -> None:
     eager = Measured(Variant(), table({1: 10.0, 2: 12.0, 4: 16.0, 8: 24.0}))
-    fp16 = Measured(Variant(autocast="float16"), table({1: 8.0, 2: 9.0, 4: 11.0, 8: 30.0}))
+    fp16 = Measured(Variant(autocast="float16"), table({1: 8.0, 2: 9.0, 4: 11.0, 8: 30.0}),
+                    top1_agreement=1.0, samples=256)
     between = table({3: 15.0, 7: 26.0})
     c = choose([eager, fp16], extra_rows=between)
     # eager: 333 img/s at 8; fp16: 364 at 4 (8 slower): fp16 at 4 wins.
@@ -150,10 +153,62 @@ def test_a_compiled_choice_pads_to_every_compiled_size() -> None:
 
 
 def test_a_faster_variant_whose_outputs_differ_too_much_is_not_chosen() -> None:
-    plain = Measured(Variant(), table({1: 20.0, 2: 40.0}), output_error=0.0)
-    close = Measured(Variant(True, "bfloat16"), table({1: 10.0, 2: 20.0}), output_error=0.03)
-    far = Measured(Variant(True, "float16"), table({1: 5.0, 2: 10.0}), output_error=0.5)
+    plain = Measured(Variant(), table({1: 20.0, 2: 40.0}), output_error=0.0,
+                     top1_agreement=1.0, samples=256)
+    close = Measured(Variant(True, "bfloat16"), table({1: 10.0, 2: 20.0}), output_error=0.03,
+                     top1_agreement=0.996, samples=256)
+    far = Measured(Variant(True, "float16"), table({1: 5.0, 2: 10.0}), output_error=0.5,
+                   top1_agreement=0.5, samples=256)
     assert close.faithful and not far.faithful
     assert choose([plain, close, far]).variant == close.variant
     assert choose([plain, far]).variant == plain.variant
+    assert not far.eligible(allow_reduced_precision=True), "broken (overflow): never"
     assert Measured.from_dict(far.to_dict()) == far, "the error is kept in the profile"
+
+
+def test_reduced_precision_that_changes_answers_is_chosen_only_when_allowed() -> None:
+    """bf16 within the distance on random inputs (2.3%) but changing the top class of 4%
+    of real samples: never chosen silently; chosen with --allow-reduced-precision; and
+    the reason says what was left out and why."""
+    plain = Measured(Variant(), table({1: 20.0, 2: 40.0}), output_error=0.0,
+                     top1_agreement=1.0, samples=256)
+    compiled = Measured(Variant(compile=True), table({1: 12.0, 2: 24.0}), output_error=1e-6,
+                        top1_agreement=1.0, samples=256)
+    bf16 = Measured(Variant(autocast="bfloat16", compile=True), table({1: 6.0, 2: 12.0}),
+                    output_error=0.023, top1_agreement=0.96, samples=256)
+    assert compiled.faithful and not bf16.faithful
+    choice = choose([plain, compiled, bf16])
+    assert choice.variant == compiled.variant
+    assert "top-1 agreement 100.0% on 256 real samples" in choice.reason
+    assert "not chosen: bf16+compile (top-1 agreement 96.0% on 256 real samples" \
+        in choice.reason
+    allowed = choose([plain, compiled, bf16], allow_reduced_precision=True)
+    assert allowed.variant == bf16.variant and "allowed by the operator" in allowed.reason
+    back = Measured.from_dict(bf16.to_dict())
+    assert (back.top1_agreement, back.samples, back.faithful) == (0.96, 256, False)
+
+
+def test_reduced_precision_never_checked_on_real_samples_is_not_faithful() -> None:
+    """A handler without samples: fp32 variants are judged by the distance on random
+    inputs; reduced precision, which that cannot vouch for, only with consent."""
+    plain = Measured(Variant(), table({1: 20.0}), output_error=0.0)
+    cl = Measured(Variant(channels_last=True), table({1: 15.0}), output_error=1e-7)
+    fp16 = Measured(Variant(autocast="float16"), table({1: 5.0}), output_error=0.01)
+    overflowing = Measured(Variant(autocast="float16"), table({1: 4.0}), output_error=0.9)
+    assert cl.faithful and not fp16.faithful and fp16.eligible(allow_reduced_precision=True)
+    assert not overflowing.eligible(allow_reduced_precision=True)
+    assert choose([plain, cl, fp16]).variant == cl.variant
+    assert choose([plain, cl, fp16], allow_reduced_precision=True).variant == fp16.variant
+
+
+def test_a_profile_that_chose_unchecked_reduced_precision_is_chosen_again() -> None:
+    """A profile written before answers were checked on real samples chose bf16 on random
+    inputs alone: the worker re-chooses from its tables and says why."""
+    plain = Measured(Variant(), table({1: 20.0, 2: 40.0}), output_error=0.0)
+    bf16 = Measured(Variant(autocast="bfloat16"), table({1: 6.0, 2: 12.0}), output_error=0.02)
+    old = dataclasses.replace(sample_profile(), measured=(plain, bf16),
+                              choice=choose([plain, bf16], allow_reduced_precision=True))
+    assert old.choice.variant == bf16.variant
+    choice, why = eligible_choice(old)
+    assert choice.variant == Variant() and "may change answers" in why
+    assert eligible_choice(old, allow_reduced_precision=True) == (old.choice, "")

@@ -47,7 +47,7 @@ def profile(variant: Variant = CL, max_batch: int = 16, preferred: tuple[int, ..
             **measured: object) -> Profile:
     rows = (Row(1, 10.0, 11.0, 3), Row(16, 80.0, 90.0, 3))
     return Profile("m", "m", "sha256:1", DeviceInfo("cpu", "x", 2), "2.13", "now", measured,
-                   (Measured(variant, rows),),
+                   (Measured(variant, rows, top1_agreement=1.0, samples=256),),
                    Choice(variant, max_batch, preferred, {1: 10.0, 7: 60.0, 8: 50.0, 16: 80.0}))
 
 
@@ -98,6 +98,19 @@ def test_autocast_from_the_profile() -> None:
     tuned = apply_profile(Settings(model=ModelSettings(device="cuda")),
                           profile(Variant(True, "float16")))
     assert tuned.settings.model.autocast == "float16"
+
+
+def test_unchecked_autocast_in_a_profile_is_not_served() -> None:
+    """A profile that chose fp16 without checking answers on real samples (an older
+    calibration): the worker serves full precision and says why, unless allowed."""
+    unchecked = dataclasses.replace(profile(Variant(True, "float16")), measured=(
+        Measured(Variant(True, "float16"), (Row(1, 10.0, 11.0, 3),), output_error=0.02),))
+    tuned = apply_profile(Settings(model=ModelSettings(device="cuda")), unchecked)
+    assert tuned.settings.model.autocast == "" and tuned.settings.model.channels_last
+    assert any("may change answers" in note for note in tuned.notes), tuned.notes
+    allowed = Settings(model=ModelSettings(device="cuda"),
+                       tune=TuneSettings(allow_reduced_precision=True))
+    assert apply_profile(allowed, unchecked).settings.model.autocast == "float16"
 
 
 def test_a_profile_of_another_model_is_not_used(tmp_path: Path) -> None:

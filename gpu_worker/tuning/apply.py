@@ -24,6 +24,7 @@ from redbatch.gpu_worker.tuning.profile import (
     Profile,
     Variant,
     default_profile_dir,
+    eligible_choice,
     load_profile,
     profile_path,
     save_profile,
@@ -67,7 +68,8 @@ class Tuned:
 def apply_profile(settings: Settings, profile: Profile) -> Tuned:
     """The profile's choice for every tunable setting not given explicitly. Pure."""
     explicit = settings.tune.explicit
-    choice, batch, model = profile.choice, settings.batch, settings.model
+    choice, why = eligible_choice(profile, settings.tune.allow_reduced_precision)
+    batch, model = settings.batch, settings.model
     took: list[str] = []
     kept: list[str] = []
 
@@ -95,7 +97,8 @@ def apply_profile(settings: Settings, profile: Profile) -> Tuned:
     applied = dataclasses.replace(settings, batch=new_batch, model=new_model)
     same_variant = Variant(new_model.channels_last, new_model.autocast or None,
                            new_model.compile) == v
-    notes = [f"from the profile: {', '.join(took) or 'nothing (all given explicitly)'}"]
+    notes = [why] if why else []
+    notes.append(f"from the profile: {', '.join(took) or 'nothing (all given explicitly)'}")
     if kept:
         notes.append(f"given explicitly, kept over the profile: {', '.join(kept)}")
     # The measured times hold for the variant measured; another variant learns its own.
@@ -213,13 +216,15 @@ def _with_profile(settings: Settings, handler: Handler,
         cap = settings.batch.max_batch_size if "max_batch_size" in settings.tune.explicit \
             else None
         budget = settings.tune.latency_budget_ms or None
+        allow_lossy = settings.tune.allow_reduced_precision
         logger.info("%s: calibrating (quick) before serving", why)
         # --compile/--no-compile given: measure only what was asked for.
         compile_asked = settings.model.compile if "compile" in settings.tune.explicit else None
         profile = calibrate(handler, model, device, settings.model.spec, name,
                             dataclasses.replace(CalibrationSettings.quick_settings(cap),
                                                 latency_budget_ms=budget, lanes=lanes,
-                                                try_compile=compile_asked))
+                                                try_compile=compile_asked,
+                                                allow_reduced_precision=allow_lossy))
         save_profile(profile, path)
         notes.append(f"calibrated and stored profile {path}")
         share = profile.settings.get("cpu_share")

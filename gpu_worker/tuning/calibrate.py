@@ -13,7 +13,6 @@ size would eat into the free-memory watermark.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -26,8 +25,9 @@ import torch
 from redbatch.common.config import LimitSettings, TuneSettings, default_of, model_name_from_spec
 from redbatch.gpu_worker.device import resolve_device
 from redbatch.gpu_worker.model import ModelRunner
+from redbatch.gpu_worker.tuning.fidelity import check_fidelity
 from redbatch.gpu_worker.tuning.profile import (
-    MAX_OUTPUT_ERROR,
+    MIN_TOP1_AGREEMENT,
     Measured,
     Profile,
     Row,
@@ -63,7 +63,11 @@ CONTENDED_SHARE = 0.75
 PLATEAU_GAIN = 1.02
 #: Batch size at which every variant's outputs are compared with the plain one's.
 ERROR_CHECK_BATCH = 8
-
+#: Real samples (the handler's ``calibration_samples``) every variant's answers are
+#: compared on: at 99.5% agreement, 256 allow one changed answer; a worker's own quick
+#: calibration checks fewer, and so allows none.
+FIDELITY_SAMPLES = 256
+QUICK_FIDELITY_SAMPLES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,11 +93,17 @@ class CalibrationSettings:
     quick: bool = False
     #: CPU: batches run at once, as the worker runs them (model.py cpu_lanes).
     lanes: int = 1
+    #: Real samples the variants' answers are compared on (0: none, random inputs only).
+    fidelity_samples: int = FIDELITY_SAMPLES
+    #: Reduced precision may be chosen without matching the plain model's top class on
+    #: the samples (the operator accepts changed answers for speed).
+    allow_reduced_precision: bool = False
 
     @classmethod
     def quick_settings(cls, max_batch: int | None) -> CalibrationSettings:
         """The worker's calibration when no profile exists: few runs, same rules."""
-        return cls(max_batch=max_batch, runs=3, warmup_runs=1, quick=True)
+        return cls(max_batch=max_batch, runs=3, warmup_runs=1, quick=True,
+                   fidelity_samples=QUICK_FIDELITY_SAMPLES)
 
 
 def batch_sizes(cap: int) -> list[int]:
@@ -175,27 +185,34 @@ class _Sweep:
                             self.at_once)
         return failed
 
-    def output_errors(self, variants: Sequence[Variant], size: int) -> dict[Variant, float]:
-        """Each variant's outputs against the first's for the same ``size`` inputs: the
-        largest relative L2 distance of a row. Variants whose outputs are not tensors, or
-        that fail, are left out."""
-        ids = list(range(size))
-        outputs: dict[Variant, torch.Tensor] = {}
-        for v in variants:
-            runner = self.runners[v]
-            try:
-                job = runner.submit(ids, [{}] * size)
-                runner.finish(job)
-            except Exception:  # noqa: BLE001 - its timing rows already say it failed
-                continue
-            if isinstance(job.outputs, torch.Tensor):
-                outputs[v] = job.outputs[:size].detach().float().cpu().reshape(size, -1)
-        reference = outputs.get(variants[0])
-        if reference is None:
-            return {}
-        scale = reference.norm(dim=1).clamp_min(1e-12)
-        return {v: float(((out - reference).norm(dim=1) / scale).max())
-                for v, out in outputs.items() if out.shape == reference.shape}
+    def outputs(self, variants: Sequence[Variant], size: int,
+                inputs: np.ndarray | None = None) -> dict[Variant, torch.Tensor]:
+        """Each variant's output rows (float32, one row per input, flattened) for
+        ``inputs`` (default: the ``size`` random rows already in the slots), run in
+        batches of ``size``, a size every variant ran (a compiled one has a graph for
+        it). Variants whose outputs are not tensors, or that fail, are left out."""
+        chunks = [None] if inputs is None else range(0, len(inputs), size)
+        rows: dict[Variant, list[torch.Tensor]] = {v: [] for v in variants}
+        for start in chunks:
+            n = size
+            if inputs is not None and start is not None:
+                chunk = inputs[start:start + size]
+                n = len(chunk)
+                self.slots[:n] = chunk
+                self.slots[n:size] = chunk[-1]  # a full batch: the compiled shape
+            for v in [v for v in variants if v in rows]:
+                try:
+                    job = self.runners[v].submit(list(range(size)), [{}] * size)
+                    self.runners[v].finish(job)
+                except Exception:  # noqa: BLE001 - its timing rows already say it failed
+                    del rows[v]
+                    continue
+                if not isinstance(job.outputs, torch.Tensor):
+                    del rows[v]
+                    continue
+                rows[v].append(job.outputs[:n].detach().float().cpu().reshape(n, -1))
+        return {v: torch.cat(parts) for v, parts in rows.items() if parts}
+
 
     def _run(self, v: Variant, ids: list[int], params: list[dict[str, object]],
              failed: dict[Variant, Row | str]) -> None:
@@ -298,29 +315,26 @@ def calibrate(handler: Handler, model: Model, device: torch.device, spec: str, n
            f"{info.torch_threads} torch threads): variants "
            f"{', '.join(v.name for v in variants)}; batch sizes up to {cap}")
     measured, runs = sweep(handler, model, device, variants, cap, settings, report)
-    # Faster is no use if the answers change: compare every variant's outputs with the
-    # plain one's (bf16, fp16 and compiled graphs round differently).
-    # At a size every variant ran (a compiled one would otherwise compile one more shape).
     check = min([cap, ERROR_CHECK_BATCH, *(m.rows[-1].batch_size for m in measured if m.rows)])
-    errors = runs.output_errors(variants, check)
-    measured = [dataclasses.replace(m, output_error=errors.get(m.variant)) for m in measured]
-    for m in measured:
-        if not m.faithful:
-            report(f"  {m.variant.name}: outputs differ from {variants[0].name}'s by "
-                   f"{m.output_error:.1%} (over {MAX_OUTPUT_ERROR:.0%}): not chosen")
-    choice = choose(measured, settings.latency_budget_ms)
+    measured = check_fidelity(handler, runs, measured, check, settings.fidelity_samples,
+                              settings.allow_reduced_precision, report)
+    allow = settings.allow_reduced_precision
+    choice = choose(measured, settings.latency_budget_ms, allow_reduced_precision=allow)
     # Sizes just below the powers of two, for the chosen variant only: may round up pay?
     extra = [s for s in between_sizes(choice.max_batch_size)
              if s not in {r.batch_size for m in measured for r in m.rows}]
     extra_rows = [got for s in extra
                   for got in runs.time_size(s, [choice.variant]).values()
                   if isinstance(got, Row)]
-    choice = choose(measured, settings.latency_budget_ms, extra_rows=extra_rows)
+    choice = choose(measured, settings.latency_budget_ms, extra_rows=extra_rows,
+                    allow_reduced_precision=allow)
     return Profile(model=name, model_spec=spec, fingerprint=fp, device=info,
                    torch_version=torch.__version__,
                    created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                    settings={"latency_budget_ms": settings.latency_budget_ms, "max_batch_cap": cap,
                              "runs": settings.runs, "quick": settings.quick,
+                             "allow_reduced_precision": allow,
+                             "min_top1_agreement": MIN_TOP1_AGREEMENT,
                              "cpu_share": None if runs.cpu_share is None
                              else round(runs.cpu_share, 3)},
                    measured=tuple(measured), choice=choice)
@@ -342,9 +356,10 @@ def format_table(profile: Profile) -> str:
             lines.append(f"{m.variant.name if i == 0 else '':<26} {r.batch_size:>5} "
                          f"{r.median_ms:>10.1f} {r.p95_ms:>9.1f} {r.images_per_s:>8.1f} "
                          f"{ratio:>8}")
-        error = "" if m.output_error is None else \
-            f"; outputs {m.output_error:.1%} from {profile.measured[0].variant.name}'s" + \
-            ("" if m.faithful else " (too far: not chosen)")
+        error = "" if m is profile.measured[0] or (m.output_error is None
+                                                    and m.top1_agreement is None) else \
+            f"; {m.fidelity()} against {profile.measured[0].variant.name}" + \
+            ("" if m.faithful else " (changes answers)")
         lines.append(f"{'':<26} stopped: {m.stopped}{error}")
     c = profile.choice
     measured_sizes = {r.batch_size for m in profile.measured for r in m.rows}

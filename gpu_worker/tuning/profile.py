@@ -12,6 +12,7 @@ rules are unit-tested on synthetic tables.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -30,9 +31,17 @@ PEAK_SHARE = 0.95
 #: plain one: smaller differences are within the noise of a shared machine.
 MEASURABLY_FASTER = 1.05
 #: Largest output_error a variant may have and still be chosen. bf16 and fp16 differ from
-#: float32 by 1-4% on EfficientNet-Lite0 (the same top class on the sample photos); a
-#: variant that overflows, or a compiler bug, differs by far more.
+#: float32 by 1-4% on EfficientNet-Lite0; a variant that overflows, or a compiler bug,
+#: differs by far more. Necessary, not sufficient: see MIN_TOP1_AGREEMENT.
 MAX_OUTPUT_ERROR = 0.1
+#: Share of real inputs (the handler's calibration samples) on which a variant must give
+#: the plain model's top class to be chosen without the operator's consent. bf16 autocast
+#: on a CPU without native bf16 was 2.3% from float32 on random tensors, well within
+#: MAX_OUTPUT_ERROR, and still changed the top class of 3.8% of served photos.
+MIN_TOP1_AGREEMENT = 0.995
+#: Even allowed, a reduced-precision variant agreeing on fewer real samples than this is
+#: broken (an overflow, a compiler bug), not rounding: bf16 agrees on 95-99% here.
+LOSSY_FLOOR = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,23 +116,57 @@ class Measured:
     #: How far its outputs are from the first variant's on the same inputs (relative L2
     #: norm of the output rows, the largest row); None: not compared.
     output_error: float | None = None
+    #: Share of the real samples on which its top class (argmax of the output row) is the
+    #: first variant's; None: no samples (the handler has none).
+    top1_agreement: float | None = None
+    #: How many real samples that share is of.
+    samples: int = 0
 
     @property
     def faithful(self) -> bool:
-        """Close enough to the plain model's outputs to be chosen (MAX_OUTPUT_ERROR)."""
+        """Shown to keep the plain model's answers: on real samples, MIN_TOP1_AGREEMENT
+        (the distance, large for bf16 logits, is only reported then); without any, within
+        MAX_OUTPUT_ERROR on random inputs, which cannot vouch for reduced precision
+        (autocast): that is never faithful unchecked."""
+        if self.top1_agreement is not None:
+            return self.top1_agreement >= MIN_TOP1_AGREEMENT
+        close = self.output_error is None or self.output_error <= MAX_OUTPUT_ERROR
+        return close and self.variant.autocast is None
+
+    def eligible(self, allow_reduced_precision: bool = False) -> bool:
+        """May be chosen: faithful, or a reduced-precision variant the operator allowed
+        (``--allow-reduced-precision``) that is not broken: LOSSY_FLOOR agreement on real
+        samples, or within MAX_OUTPUT_ERROR on random inputs."""
+        if self.faithful:
+            return True
+        if not allow_reduced_precision or self.variant.autocast is None:
+            return False
+        if self.top1_agreement is not None:
+            return self.top1_agreement >= LOSSY_FLOOR
         return self.output_error is None or self.output_error <= MAX_OUTPUT_ERROR
+
+    def fidelity(self) -> str:
+        """How close its answers are, in words (logs, the profile's reason)."""
+        parts = [f"top-1 agreement {self.top1_agreement:.1%} on {self.samples} real samples"
+                 ] if self.top1_agreement is not None else []
+        parts += [] if self.output_error is None else [f"outputs {self.output_error:.1%} apart"]
+        return ", ".join(parts) or "not compared"
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.variant.to_dict(), "rows": [r.to_dict() for r in self.rows],
                 "stopped": self.stopped,
                 "output_error": None if self.output_error is None
-                else round(self.output_error, 5)}
+                else round(self.output_error, 5),
+                "top1_agreement": None if self.top1_agreement is None
+                else round(self.top1_agreement, 5),
+                "samples": self.samples, "faithful": self.faithful}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Measured:
-        error = d.get("output_error")
+        error, agreement = d.get("output_error"), d.get("top1_agreement")
         return cls(Variant.from_dict(d), tuple(Row.from_dict(r) for r in d["rows"]),
-                   str(d.get("stopped", "")), None if error is None else float(error))
+                   str(d.get("stopped", "")), None if error is None else float(error),
+                   None if agreement is None else float(agreement), int(d.get("samples", 0)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,8 +317,10 @@ def pick_max_batch(rows: Sequence[Row], latency_budget_ms: float | None = None,
 
 
 def pick_variant(measured: Sequence[Measured], latency_budget_ms: float | None = None,
-                 share: float = PEAK_SHARE) -> tuple[Measured, int]:
-    """The variant with the highest throughput at its own chosen max batch, and that size.
+                 share: float = PEAK_SHARE, allow_reduced_precision: bool = False
+                 ) -> tuple[Measured, int]:
+    """The variant with the highest throughput at its own chosen max batch, and that size,
+    among the eligible ones (:meth:`Measured.eligible`).
 
     The first variant (the plain one) wins ties: another must be MEASURABLY_FASTER.
     """
@@ -283,7 +328,7 @@ def pick_variant(measured: Sequence[Measured], latency_budget_ms: float | None =
         raise ValueError("no variants measured")
     best: tuple[Measured, int, float] | None = None
     for m in measured:
-        if not m.rows or not m.faithful:
+        if not m.rows or not m.eligible(allow_reduced_precision):
             continue
         size = pick_max_batch(m.rows, latency_budget_ms, share)
         rate = next(r.images_per_s for r in m.rows if r.batch_size == size)
@@ -304,19 +349,51 @@ def preferred_sizes(rows: Sequence[Row], max_batch_size: int) -> tuple[int, ...]
 
 
 def choose(measured: Sequence[Measured], latency_budget_ms: float | None = None,
-           share: float = PEAK_SHARE, extra_rows: Sequence[Row] = ()) -> Choice:
+           share: float = PEAK_SHARE, extra_rows: Sequence[Row] = (),
+           allow_reduced_precision: bool = False) -> Choice:
     """The whole choice from the tables; ``extra_rows`` are in-between sizes (e.g. 7, 15)
-    measured for the chosen variant after the sweep, used for preferred sizes."""
-    best, size = pick_variant(measured, latency_budget_ms, share)
+    measured for the chosen variant after the sweep, used for preferred sizes. The reason
+    says why, the fidelity of the chosen variant and the faster ones left out included."""
+    best, size = pick_variant(measured, latency_budget_ms, share, allow_reduced_precision)
     rows = sorted([*best.rows, *extra_rows], key=lambda r: r.batch_size)
     peak = max(within_budget(best.rows, latency_budget_ms) or best.rows,
                key=lambda r: r.images_per_s)
     budget = "" if latency_budget_ms is None else f", p95 within {latency_budget_ms:g} ms"
     reason = (f"smallest batch reaching {share:.0%} of the peak {peak.images_per_s:.1f} img/s "
-              f"(batch {peak.batch_size}) of {best.variant.name}{budget}")
+              f"(batch {peak.batch_size}) of {best.variant.name}{budget}; "
+              f"{best.fidelity()}" + ("" if best.faithful else
+                                      " (reduced precision allowed by the operator)"))
+    left_out = [f"{m.variant.name} ({m.fidelity()})" for m in measured
+                if m.rows and not m.eligible(allow_reduced_precision)
+                and max(r.images_per_s for r in m.rows) > peak.images_per_s]
+    if left_out:
+        reason += "; faster but changes answers, not chosen: " + ", ".join(left_out)
     # A compiled model has one graph per batch size: every batch is padded to a size
     # measured (and so compiled) rather than compiling new shapes while serving.
     preferred = tuple(r.batch_size for r in best.rows if r.batch_size <= size) \
         if best.variant.compile else preferred_sizes(rows, size)
     return Choice(best.variant, size, preferred, {r.batch_size: r.median_ms for r in rows},
                   reason)
+
+
+def eligible_choice(profile: Profile, allow_reduced_precision: bool = False
+                    ) -> tuple[Choice, str]:
+    """The profile's choice if its variant may still be chosen under today's rules, else
+    the choice made again from its tables, and a note saying why. A profile written
+    before answers were compared on real samples may have chosen reduced precision on
+    random inputs alone: a worker never serves that silently."""
+    chosen = next((m for m in profile.measured if m.variant == profile.choice.variant), None)
+    if chosen is None or chosen.eligible(allow_reduced_precision):
+        return profile.choice, ""
+    budget = profile.settings.get("latency_budget_ms")
+    try:
+        choice = choose(profile.measured, None if budget is None else float(budget),
+                        allow_reduced_precision=allow_reduced_precision)
+    except ValueError:  # only that variant was measured: the same, in full precision
+        full = dataclasses.replace(chosen.variant, autocast=None)
+        choice = dataclasses.replace(profile.choice, variant=full, latency_ms={},
+                                     reason=f"{profile.choice.reason}; full precision")
+    return choice, (f"the profile chose {chosen.variant.name} ({chosen.fidelity()}), which "
+                    f"may change answers: using {choice.variant.name}, max batch "
+                    f"{choice.max_batch_size} from its tables; `redbatch calibrate` checks "
+                    "every variant on real samples, and --allow-reduced-precision accepts it")
