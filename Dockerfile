@@ -1,13 +1,16 @@
-# The worker image. Its install matches CI's (scripts/setup.sh): torch first, then the
-# package with its worker extra (CI adds `test`); tests/test_compose.py checks the two agree.
-# A CUDA-capable PyTorch base (torch 2.5.1, CUDA 12.4); the package accepts torch>=2.1, so
-# pip keeps the base's torch and adds only the rest.
-FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+# The worker image. Its install matches CI's (scripts/setup.sh): torch first, the very
+# version the tests run, then the package with its worker extra (CI adds `test`);
+# tests/test_dockerfile.py checks the two agree. From PyPI, torch's Linux x86_64 wheel is
+# built for CUDA and brings its CUDA libraries; the driver comes from the host (NVIDIA
+# Container Toolkit), and the same image runs on CPU.
+FROM python:3.11.11-slim-bookworm
 
 # A C++ compiler: on CPU, calibration tries torch.compile (inductor builds C++ kernels),
 # about 1.9x the eager model for EfficientNet-Lite0; without one it is skipped.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
+
+RUN pip install --no-cache-dir "torch==2.13.0"
 
 WORKDIR /app
 # Only what the package build reads: metadata, the readme it names, and the package folders.
@@ -23,9 +26,15 @@ COPY samples ./samples
 RUN pip install --no-cache-dir ".[worker]"
 
 # Run as an unprivileged user; SIGTERM lets the worker drain (see stop_grace_period).
-RUN useradd --create-home redbatch
+# /var/lib/redbatch holds calibration profiles, compiled packages and inductor's cache;
+# compose mounts a volume there (owned by this user: Docker copies the folder's owner into
+# a new volume), so a recreated container starts warm.
+RUN useradd --create-home redbatch \
+    && mkdir -p /var/lib/redbatch && chown redbatch /var/lib/redbatch
 USER redbatch
-ENV REDBATCH_METRICS_PORT=9400
+ENV REDBATCH_METRICS_PORT=9400 \
+    REDBATCH_PROFILE_DIR=/var/lib/redbatch/profiles \
+    TORCHINDUCTOR_CACHE_DIR=/var/lib/redbatch/inductor
 EXPOSE 9400
 STOPSIGNAL SIGTERM
 CMD ["redbatch", "worker"]

@@ -105,13 +105,14 @@ class LocalStack:
     """Context manager: ``with LocalStack(spec, name, prefix) as stack: stack.url ...``."""
 
     def __init__(self, model_spec: str, model_name: str, prefix: str,
-                 worker_args: list[str] | None = None) -> None:
+                 worker_args: list[str] | None = None, calibrate: str = "load") -> None:
         self.keys = Keys(model_name, prefix)
         # No metrics port: a private worker is nobody's scrape target, and a fleet worker on
         # this host may hold the default port.
-        # No calibration either: a quick one would delay every private run by seconds.
+        # The machine's calibration profile when there is one (``load``: the tuned path,
+        # measured once); ``auto`` (score --tune) measures and stores one when missing.
         self.worker_args = ["--model", model_spec, "--model-name", model_name,
-                            "--prefix", prefix, "--metrics-port", "0", "--calibrate", "off",
+                            "--prefix", prefix, "--metrics-port", "0", "--calibrate", calibrate,
                             *(worker_args or [])]
         self.server = RedisServer()
         self.worker: subprocess.Popen[bytes] | None = None

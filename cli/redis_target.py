@@ -40,11 +40,33 @@ def connect_to(url: str, prefix: str | None = None) -> redis.Redis:
     return connect(settings)
 
 
+#: How long the private worker may take to be ready, s: loading the model (and building a
+#: compiled package the first time), or with --tune calibrating it first.
+READY_S = 180.0
+TUNE_READY_S = 1800.0
+
+
+def has_profile(model_spec: str) -> bool:
+    """Whether a calibration profile of the model is stored here (any device: the worker
+    picks its own); a glob of the profile directory, without loading torch."""
+    from redbatch.common.config import model_name_from_spec
+    from redbatch.gpu_worker.tuning.profile import DeviceInfo, default_profile_dir, profile_path
+
+    # The device part is the name's last "--" part (a slug has single dashes only).
+    path = profile_path(default_profile_dir(), model_name_from_spec(model_spec),
+                        DeviceInfo("any", "any", 1))
+    return any(path.parent.glob(path.name.rsplit("--", 1)[0] + "--*.json"))
+
+
 @contextmanager
 def redis_for(options: dict[str, Any]) -> Iterator[str]:
     """The configured Redis URL; with none, a private redis-server and local worker that
     are stopped (in that order: worker first) when the block ends."""
+    tune = bool(options.get("tune"))
     if options["redis_url"]:
+        if tune:
+            raise OrdinaryError("--tune calibrates the private worker; with --redis, run "
+                                "`redbatch calibrate` where the workers run")
         yield options["redis_url"]
         return
     missing = missing_worker_modules()
@@ -55,9 +77,17 @@ def redis_for(options: dict[str, Any]) -> Iterator[str]:
     try:
         # The private worker's start-up lines would bury the command's own output.
         quiet = [] if options["log_level"].upper() == "DEBUG" else ["--log-level", "WARNING"]
+        tuned_before = has_profile(options["model_spec"])
+        if tune and not tuned_before:
+            click.echo("redbatch: measuring this machine for the model once (--tune: a few "
+                       "minutes); later runs load the profile", err=True)
+        elif not tune and not tuned_before:
+            click.echo("redbatch: no calibration profile for this model here, so the untuned "
+                       "path runs; add --tune once (a few minutes) and later runs load it",
+                       err=True)
         with LocalStack(options["model_spec"], served_name(options), options["prefix"],
-                        quiet) as stack:
-            stack.wait_ready()
+                        quiet, calibrate="auto" if tune else "load") as stack:
+            stack.wait_ready(TUNE_READY_S if tune else READY_S)
             yield stack.url
     except RedisServerError as e:
         raise click.ClickException(str(e)) from e

@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
        default=default_of(ScoreSettings, "grace_s"),
        help="After Ctrl-C/SIGTERM, how long jobs in flight are still collected.")
 @o.LANE(default=default_of(ScoreSettings, "lane").value)
+@o.opt("--tune", env="TUNE", is_flag=True, default=False,
+       help="Without --redis: calibrate the private worker for this machine first when no "
+            "profile exists (minutes, once), and store the profile every later run loads.")
 def score(inputs: tuple[str, ...], output: str, fmt: str | None, resume: bool,
           overwrite: bool, window: int, timeout_s: float, grace_s: float, lane: str,
           **options: Any) -> None:

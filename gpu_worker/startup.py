@@ -129,8 +129,17 @@ def load_model(s: Settings, tuned: Tuned, handler: Handler, slots: SlotArray,
     """The model runner on the tuned device, warmed up at every size it will run; the
     latency estimator learns the sizes the profile did not measure."""
     assert tuned.device is not None, "tune() chose the device"
+    model, variant = tuned.model, tuned.variant
+    if tuned.package is not None and model is not None:
+        from redbatch.gpu_worker.packaged import load_or_build
+
+        model, note = load_or_build(model, variant, handler.input_shape, handler.input_dtype,
+                                    s.batch.max_batch_size, tuned.device, tuned.package,
+                                    tuned.lanes)
+        logger.info("tuning: %s", note)
+        variant = replace(variant, compile=False)  # the package is the compiled model
     runner = ModelRunner(handler, tuned.device, slots.array, s.batch.max_batch_size,
-                         tuned.variant, model=tuned.model,
+                         variant, model=model,
                          memory_watermark=s.tune.memory_watermark, lanes=tuned.lanes)
     sizes = warmup_sizes(s.batch.max_batch_size, tuned.preferred_sizes, runner.pipelined)
     for size, seconds in runner.warmup(sizes).items():

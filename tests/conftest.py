@@ -24,7 +24,12 @@ from redbatch.common.protocol import Keys
 from redbatch.producer.client import Client
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+#: What EfficientNet-Lite0 may call samples/cat.jpg (and crops of it).
+CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat", "Persian cat", "Siamese cat", "lynx"}
 TEST_MODEL = "efficientnet_lite0"
+#: The profile directory's variable, kept when a test's environment drops the other
+#: REDBATCH_* settings: the session points it at an empty folder (no_calibration_by_default).
+PROFILE_DIR_ENV = "REDBATCH_PROFILE_DIR"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -33,12 +38,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_calibration_by_default() -> Iterator[None]:
+def no_calibration_by_default(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Workers the tests start by hand neither calibrate nor load a profile (a profile in
     this machine's cache would change their batch sizes); tests that want one pass
-    --calibrate, which wins over the variable."""
+    --calibrate, which wins over the variable. The profile directory is an empty one of
+    the session's, so private stacks (which load a profile) find none of this machine's
+    either; tests that want profiles name their own."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("REDBATCH_CALIBRATE", "off")
+        mp.setenv(PROFILE_DIR_ENV, str(tmp_path_factory.mktemp("no-profiles")))
         yield
 
 
@@ -150,12 +158,19 @@ def no_shared_memory_left_behind() -> Iterator[None]:
     assert not left, f"left in /dev/shm by the tests: {sorted(left)}"
 
 
+def settings_free_env() -> dict[str, str]:
+    """The test's environment without REDBATCH_* settings, but the session's empty profile
+    directory (no_calibration_by_default): what a command run by a test starts from."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("REDBATCH_") or k == PROFILE_DIR_ENV}
+
+
 def marked_env(mark: str) -> dict[str, str]:
     """The test's environment without REDBATCH_* settings (but the run's shm prefix, for
     the leak check), plus a mark that every process started from it inherits, so
     leftovers can be found even among other runs' processes."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("REDBATCH_") or k == "REDBATCH_SHM_PREFIX"}
+           if not k.startswith("REDBATCH_") or k in ("REDBATCH_SHM_PREFIX", PROFILE_DIR_ENV)}
     env["REDBATCH_TEST_MARK"] = mark
     return env
 

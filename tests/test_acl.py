@@ -22,7 +22,7 @@ from urllib.parse import quote
 import pytest
 import redis
 from click.testing import CliRunner
-from conftest import SAMPLES, TEST_MODEL
+from conftest import SAMPLES, TEST_MODEL, settings_free_env
 from redbatch.cli import main
 from redbatch.cli.acl_rules import Role, build_user, server_version
 from redbatch.cli.redis_server import RedisServer
@@ -39,7 +39,7 @@ THEIRS = Keys(OTHER)
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    base = settings_free_env()
     return subprocess.run([sys.executable, "-m", "redbatch.cli", *args],
                           env={**base, **(env or {})}, capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, timeout=300)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ from typing import cast
 import pytest
 import redis
 from click.testing import CliRunner
-from conftest import SAMPLES, TEST_MODEL, WorkerFactory
+from conftest import SAMPLES, TEST_MODEL, WorkerFactory, settings_free_env
 from PIL import Image
 from redbatch.cli import main
 from redbatch.common import protocol as p
@@ -243,7 +242,7 @@ def test_bulk_scorer_backs_off_and_completes_within_the_bound(
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     out = tmp_path / "out.jsonl"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    env = settings_free_env()
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "redbatch.cli", "score", str(tmp_path / "photos"),

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import SAMPLES, WorkerFactory
+import torch
+from conftest import CAT_LABELS, SAMPLES, WorkerFactory
 from redbatch.common.protocol import Keys
 from redbatch.gpu_worker.tuning.calibrate import batch_sizes, between_sizes, stop_reason
 from redbatch.gpu_worker.tuning.profile import MIN_TOP1_AGREEMENT, Row, Variant, load_profile
@@ -144,6 +145,42 @@ def test_a_worker_loads_the_profile_and_uses_its_max_batch(
     assert max(sizes) <= 3 and 3 in sizes, sizes
     log = log_of(0, tmp_path)
     assert f"loaded profile {path}" in log and "max_batch=3" in log, log
+
+
+def test_a_compiled_profile_is_served_from_a_package_built_once(
+        start_worker: WorkerFactory, redis_url: str, tmp_path: Path) -> None:
+    """A profile choosing channels_last+compile: the first worker builds the AOTInductor
+    package beside the profile (one graph for batch sizes 1-2, no padding), the second
+    loads it instead of compiling, and both answer the photos as the model does."""
+    from redbatch.gpu_worker.packaged import packaged
+
+    if not packaged(Variant(True, None, True), torch.device("cpu")):
+        pytest.skip("this torch makes no AOTInductor packages")
+    profiles = tmp_path / "compiled-profiles"
+    proc = calibrate("--max-batch", "2", "--runs", "1", "--warmup-runs", "0", "--no-compile",
+                     "--variant", "channels_last", env_dir=profiles)
+    assert proc.returncode == 0, proc.stderr
+    (path,) = profiles.glob("efficientnet_lite0--cpu-*.json")
+    data = json.loads(path.read_text())
+    data["choice"]["variant"] = Variant(True, None, True).to_dict()
+    path.write_text(json.dumps(data))
+    env = {"REDBATCH_PROFILE_DIR": str(profiles)}
+    photos = [(SAMPLES / n).read_bytes() for n in ("cat.jpg", "coffee.jpg", "rocket.jpg")]
+    labels = []
+    for i in range(2):
+        worker = start_worker("--calibrate", "load", env=env)
+        with Client(redis_url) as client:
+            results = client.results(client.submit_many(photos * 2, timeout_s=300), 300)
+        labels.append([res.output["label"] for res in results])
+        worker.terminate()
+        worker.wait(60)
+        log = log_of(i, tmp_path)
+        assert "variant=channels_last+compile preferred_batch_sizes=[]" in log, log
+    assert "built compiled package" in log_of(0, tmp_path)
+    assert "loaded compiled package" in log_of(1, tmp_path)
+    assert "built compiled package" not in log_of(1, tmp_path)
+    assert len(list(profiles.glob("*.so"))) == 1
+    assert labels[0] == labels[1] and labels[0][0] in CAT_LABELS, labels
 
 
 def test_calibrate_auto_measures_and_stores_a_profile(

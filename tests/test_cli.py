@@ -13,6 +13,7 @@ import psutil
 import pytest
 from click.testing import CliRunner
 from conftest import (
+    CAT_LABELS,
     SAMPLES,
     WorkerFactory,
     marked_env,
@@ -21,8 +22,6 @@ from conftest import (
 )
 from redbatch.cli import main
 from redbatch.cli.worker import build_settings, worker
-
-CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat"}
 
 
 def _worker_options(args: list[str], env: dict[str, str] | None = None) -> dict[str, object]:

@@ -5,7 +5,6 @@ started for inputs that cannot work (checked before a private stack would start)
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -14,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SAMPLES
+from conftest import SAMPLES, settings_free_env
 
 CAT = str(SAMPLES / "cat.jpg")
 #: Inputs checked before anything starts are refused within this (Python's start and the
@@ -24,7 +23,7 @@ QUICK_S = 9.0
 
 def redbatch(*args: str, timeout_s: float = 120) -> tuple[subprocess.CompletedProcess[str], float]:
     """Run the CLI with no REDBATCH_* settings; the result and how long it took, s."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    env = settings_free_env()
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "redbatch.cli", *args], env=env,
                           capture_output=True, text=True, stdin=subprocess.DEVNULL,
@@ -64,7 +63,7 @@ def test_a_worker_stopped_while_it_waits_for_redis_says_so_in_one_line(
         dead_redis: str, log_format: str) -> None:
     """Its log says why it waits, one line per retry; with --log-format json every log
     line is a JSON object (the command's own closing error stays click's one line)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    env = settings_free_env()
     proc = subprocess.Popen([sys.executable, "-m", "redbatch.cli", "worker", "--redis",
                              dead_redis, "--model", "null", "--calibrate", "off",
                              "--metrics-port", "0", "--log-format", log_format], env=env,

@@ -10,7 +10,6 @@ Prometheus and Grafana files point at the services and folders compose.yaml give
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -28,7 +27,7 @@ import numpy as np
 import pytest
 import redis
 import yaml
-from conftest import SAMPLES
+from conftest import SAMPLES, settings_free_env
 from deploy_files import (
     PROMETHEUS_CONFIG,
     PROVISIONING,
@@ -100,6 +99,7 @@ def test_redis_service_is_durable_and_never_evicts() -> None:
                     "--maxmemory-policy noeviction"):
         assert setting in command
     assert any(v.split(":")[1] == "/data" for v in redis_service["volumes"]), "AOF on a volume"
+    assert "--maxmemory 2gb" in command, "a backlog fills Redis, not the host"
     # Healthy only once PING answers PONG, not while a large AOF is still loading.
     assert "PONG" in " ".join(redis_service["healthcheck"]["test"])
 
@@ -222,7 +222,7 @@ def live_service(request: pytest.FixtureRequest, redis_url: str, profile_dir: Pa
            "REDBATCH_PROFILE_DIR": str(profile_dir), "REDBATCH_COMPILE": "0"}
     redis.Redis.from_url(redis_url).flushall()
     exe = Path(sys.executable).parent / service["command"][0]
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    inherited = settings_free_env()
     log_path = tmp_path_factory.mktemp(name) / "worker.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([str(exe), *service["command"][1:]], env={**inherited, **env},
@@ -254,7 +254,7 @@ def test_service_healthcheck_passes(live_service: LiveService) -> None:
     """The container's healthcheck command, run here: `python` is the image's interpreter."""
     kind, *command = live_service.service["healthcheck"]["test"]
     assert kind == "CMD" and command[0] == "python"
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    inherited = settings_free_env()
     out = subprocess.run([sys.executable, *command[1:]], env={**inherited, **live_service.env},
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
@@ -356,3 +356,22 @@ def test_grafana_provisions_the_datasource_and_dashboards() -> None:
                 continue
             assert panel["datasource"]["uid"] == source["uid"], panel["title"]
             assert all(t["expr"] for t in panel["targets"]), panel["title"]
+
+
+def test_workers_keep_profiles_and_compiled_packages_on_a_volume() -> None:
+    """A recreated container finds its calibration profile and compiled package (issue 15:
+    each one calibrated and compiled again): the image puts them under /var/lib/redbatch,
+    owned by its user, and every worker service mounts a named volume there."""
+    from test_dockerfile import dockerfile
+
+    env = " ".join(a for op, a in dockerfile() if op == "ENV")
+    assert "REDBATCH_PROFILE_DIR=/var/lib/redbatch/profiles" in env
+    assert "TORCHINDUCTOR_CACHE_DIR=/var/lib/redbatch/inductor" in env
+    assert any("chown redbatch /var/lib/redbatch" in a for op, a in dockerfile() if op == "RUN")
+    compose = load_compose()
+    for name in ("worker", "worker-cpu"):
+        volumes = compose["services"][name]["volumes"]
+        assert "redbatch-state:/var/lib/redbatch" in volumes, name
+    assert "redbatch-state" in compose["volumes"]
+    assert "REDBATCH_MODEL=/models/" in (ROOT / "compose.yaml").read_text(), \
+        "a commented example of mounting your own model"

@@ -1,8 +1,9 @@
 """The worker image installs redbatch the way CI does, from every folder the package needs.
 
 CI (.ci/run -> scripts/test.sh -> scripts/setup.sh) installs torch first, then the package
-with extras; the image gets torch from its PyTorch base, then installs the package with the
-same extras less `test`. No Docker engine runs here, so the files are read, not built.
+with extras; the image installs the same torch version first (from PyPI its Linux wheel is
+built for CUDA), then the package with the same extras less `test`. No Docker engine runs
+here, so the files are read, not built.
 """
 
 from __future__ import annotations
@@ -52,20 +53,30 @@ def test_image_installs_the_package_as_ci_does() -> None:
     runs = [args for op, args in dockerfile() if op == "RUN"]
     (image_extras,) = package_installs(runs)
     assert image_extras == ci_extras - {"test"} and "worker" in image_extras
-    assert not any(re.search(r"\btorch\b", r) for r in runs if "pip install" in r), \
-        "torch comes with the base image, as CI installs it before the package"
+    # torch first, the very version the tests run (issue 15: the image ran 2.5.1).
+    image_torch = [i for i, r in enumerate(runs) if "pip install" in r and TORCH.search(r)]
+    assert image_torch and image_torch[0] < next(i for i, r in enumerate(runs) if ".[" in r)
+    assert TORCH.findall(runs[image_torch[0]]) == [ci_torch_pin()]
 
 
-def test_base_image_is_pinned_pytorch_with_cuda_that_the_package_accepts() -> None:
+TORCH = re.compile(r"""["' ]torch==([\d.]+)""")
+
+
+def ci_torch_pin() -> str:
+    (pin,) = {v for c in ci_install_commands() for v in TORCH.findall(c)}
+    return pin
+
+
+def test_base_image_is_pinned_python_and_the_torch_pin_is_in_the_packages_range() -> None:
     (base,) = [args for op, args in dockerfile() if op == "FROM"]
     repo, tag = base.split(":")
-    assert repo == "pytorch/pytorch" and "cuda" in tag and "latest" not in tag
-    torch_version = tuple(int(p) for p in tag.split("-")[0].split("."))
+    assert repo == "python" and tag.startswith("3.11.") and "latest" not in tag
     (req,) = [r for r in pyproject()["project"]["optional-dependencies"]["worker"]
               if re.match(r"torch\b", r)]
     minimum = re.fullmatch(r"torch>=([\d.]+)", req.replace(" ", ""))
     assert minimum, f"update this check for the requirement {req!r}"
-    assert torch_version >= tuple(int(p) for p in minimum.group(1).split("."))
+    version = tuple(int(p) for p in ci_torch_pin().split("."))
+    assert version >= tuple(int(p) for p in minimum.group(1).split("."))
 
 
 def copied_paths() -> set[str]:
@@ -112,9 +123,12 @@ def test_dockerignore_keeps_local_state_out_and_the_sources_in() -> None:
     patterns = dockerignore_patterns()
     for local in (".git", ".venv", "build", "tests", "common/__pycache__"):
         assert ignored(local, patterns), local
+    data = pyproject()["tool"]["setuptools"].get("package-data", {}).get("redbatch", [])
     for path in copied_paths():
         files = [path] if (ROOT / path).is_file() else [
-            str(f.relative_to(ROOT)) for f in (ROOT / path).rglob("*.py")]
+            str(f.relative_to(ROOT)) for f in (ROOT / path).rglob("*")
+            if f.suffix == ".py" or any(fnmatch.fnmatch(str(f.relative_to(ROOT)), d)
+                                        for d in data)]
         for f in files:
             assert not ignored(f, patterns), f"{f} is copied but .dockerignore drops it"
 

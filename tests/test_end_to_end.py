@@ -13,12 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 import msgpack
 import pytest
 import redis
-from conftest import SAMPLES, WorkerFactory, shm_entries
+from conftest import CAT_LABELS, SAMPLES, WorkerFactory, shm_entries
 from redbatch.cli.local_stack import stop_worker
 from redbatch.common.protocol import GROUP, ErrorCode, JobEnvelope, Keys, Lane
 from redbatch.producer.client import AsyncClient, Client
 
-CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat"}
 COFFEE_LABELS = {"espresso", "cup", "coffee mug"}
 PHOTOS = {name: (SAMPLES / name).read_bytes() for name in ("cat.jpg", "coffee.jpg")}
 EXPECTED = {"cat.jpg": CAT_LABELS, "coffee.jpg": COFFEE_LABELS}

@@ -16,12 +16,11 @@ from typing import Any, cast
 import msgpack
 import pytest
 import redis
-from conftest import SAMPLES, TEST_MODEL, WorkerFactory
+from conftest import CAT_LABELS, SAMPLES, TEST_MODEL, WorkerFactory
 
 NODE_DIR = Path(__file__).resolve().parent / "clients" / "node"
 STREAM = f"redbatch:{{{TEST_MODEL}}}:jobs:interactive"
 GROUP = "workers"
-CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat", "Persian cat", "Siamese cat", "lynx"}
 TIMEOUT_S = 120
 
 

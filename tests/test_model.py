@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import SAMPLES
+from conftest import CAT_LABELS, SAMPLES
 from PIL import Image
 from redbatch.common.config import LimitSettings
 from redbatch.gpu_worker.device import next_batch_limit, resolve_device
@@ -23,7 +23,6 @@ from redbatch.handlers.efficientnet_lite import load_efficientnet_lite0
 from redbatch.handlers.imagenet import EfficientNetLite0, imagenet_labels
 from redbatch.preproc_worker.shm import SlotArray
 
-CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat"}
 #: torch.compile on CPU builds C++ kernels (inductor): the compiled-path tests need a compiler.
 NEEDS_CXX = pytest.mark.skipif(not cxx_compiler_found(), reason="no C++ compiler for inductor")
 COFFEE_LABELS = {"espresso", "cup", "coffee mug"}

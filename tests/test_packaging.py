@@ -13,7 +13,7 @@ from email.parser import Parser
 from pathlib import Path
 
 import pytest
-from conftest import SAMPLES
+from conftest import SAMPLES, settings_free_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = ("import importlib.util, redbatch, redbatch.common.protocol, redbatch.producer.client, "
@@ -130,7 +130,7 @@ def client_only(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_client_only_install_scores_and_says_what_a_worker_needs(
         client_only: Path, redis_url: str, start_worker: Callable[..., object],
         tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    env = settings_free_env()
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(client_only), *args], env=env, capture_output=True,

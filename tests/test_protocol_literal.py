@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlparse
 import msgpack
 import pytest
 import redis
-from conftest import SAMPLES, TEST_MODEL, WorkerFactory
+from conftest import CAT_LABELS, SAMPLES, TEST_MODEL, WorkerFactory
 from redbatch.cli.redis_server import RedisServer
 
 DOC = (Path(__file__).resolve().parent.parent / "PROTOCOL.md").read_text()
@@ -33,7 +33,6 @@ TEXT = " ".join(DOC.split())  # the page's prose with its line breaks undone
 PREFIX = "redbatch"
 MODEL_KEYS = f"{PREFIX}:{{{TEST_MODEL}}}"  # what P:{M} stands for here
 LANES = ("interactive", "bulk")
-CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat", "Persian cat", "Siamese cat", "lynx"}
 TIMINGS = {"queue_ms", "preprocess_ms", "batch_wait_ms", "inference_ms", "total_ms"}
 
 

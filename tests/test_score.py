@@ -26,11 +26,18 @@ from typing import Any
 import psutil
 import pytest
 import redis
-from conftest import SAMPLES, SHM_PREFIX, WorkerFactory, marked_env, processes_with_mark
+from conftest import (
+    CAT_LABELS,
+    SAMPLES,
+    SHM_PREFIX,
+    WorkerFactory,
+    marked_env,
+    processes_with_mark,
+    settings_free_env,
+)
 from PIL import Image
 from redbatch.common.protocol import GROUP, ErrorCode, Keys, Lane
 
-CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat"}
 #: Error codes the scorer itself writes (the worker's come from ErrorCode).
 SCORER_CODES = {"unreadable_file", "payload_too_large", "result_expired", "timeout"}
 MB = 1024 * 1024
@@ -40,7 +47,7 @@ MB = 1024 * 1024
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    env = settings_free_env()
     env.update(extra)
     return env
 
@@ -570,3 +577,29 @@ def test_the_last_progress_line_is_said_once_off_a_terminal_and_the_summary_coun
     lines = out.getvalue().splitlines()
     assert len(lines) == 1 and lines[0].startswith("1 scored"), lines
     assert "with 6.5 s of start-up" in stats.summary()
+
+
+def test_without_redis_the_private_worker_loads_this_machines_profile(tmp_path: Path) -> None:
+    """The private stack runs the tuned path when this machine has a profile (no hint);
+    without one it says how to get it (--tune); --tune with --redis is a one-line error."""
+    profiles = tmp_path / "profiles"
+    made = subprocess.run([sys.executable, "-m", "redbatch.cli", "calibrate", "--device", "cpu",
+                           "--max-batch", "2", "--runs", "1", "--warmup-runs", "0",
+                           "--no-compile", "--variant", "eager"],
+                          env=_env(REDBATCH_PROFILE_DIR=str(profiles)), capture_output=True,
+                          text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    out = tmp_path / "out.jsonl"
+    bare = _run_score(SAMPLES / "cat.jpg", "-o", out, timeout_s=300)
+    assert bare.returncode == 0, bare.stderr
+    assert "no calibration profile for this model here" in bare.stderr and "--tune" in bare.stderr
+    tuned = _run_score(SAMPLES / "cat.jpg", "-o", out, "--overwrite", "--tune", "--log-level",
+                       "debug", timeout_s=300, env=_env(REDBATCH_PROFILE_DIR=str(profiles)))
+    assert tuned.returncode == 0, tuned.stderr
+    assert "no calibration profile" not in tuned.stderr
+    assert "loaded profile" in tuned.stderr, tuned.stderr[-2000:]
+    assert _read_jsonl(out)[0]["output"]["label"] in CAT_LABELS
+    refused = _run_score(SAMPLES / "cat.jpg", "-o", tmp_path / "x.jsonl", "--tune",
+                         "--redis", "redis://127.0.0.1:1/0")
+    assert refused.returncode == 1 and "--tune calibrates the private worker" in refused.stderr
+    assert "Traceback" not in refused.stderr

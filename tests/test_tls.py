@@ -6,7 +6,6 @@ Client, ``redbatch score``, ``redbatch status`` and ``redbatch dlq list`` all gi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import SAMPLES, TEST_MODEL
+from conftest import SAMPLES, TEST_MODEL, settings_free_env
 from redbatch.cli.redis_server import RedisServer, TlsFiles
 from redbatch.producer.client import Client
 from spawned_workers import spawned_workers
@@ -64,7 +63,7 @@ def server(pki: TlsFiles) -> Iterator[RedisServer]:
 
 
 def cli(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDBATCH_")}
+    env = settings_free_env()
     return subprocess.run([sys.executable, "-m", "redbatch.cli", *map(str, args)],
                           env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL,
                           timeout=300)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from conftest import SAMPLES, WorkerFactory
+from conftest import CAT_LABELS, SAMPLES, WorkerFactory
 from handlers_for_tests import CRASH
 from redbatch.common.config import LimitSettings
 from redbatch.common.protocol import ErrorCode, Keys
@@ -18,7 +18,6 @@ from redbatch.producer.client import Client
 
 TESTS = str(Path(__file__).resolve().parent)
 CAT = (SAMPLES / "cat.jpg").read_bytes()
-CAT_LABELS = {"tabby", "tiger cat", "Egyptian cat"}
 
 # Making the TorchScript file uses torch.jit.trace, deprecated upstream but still how most
 # users' existing .pt files were made; serving them (torch.jit.load) is what is under test.

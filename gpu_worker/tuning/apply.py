@@ -58,6 +58,8 @@ class Tuned:
     latency_s: dict[int, float] = field(default_factory=dict)
     #: Lines for the start-up log.
     notes: list[str] = field(default_factory=list)
+    #: The compiled package the model is served from (gpu_worker/packaged.py), or None.
+    package: Path | None = None
 
     @property
     def variant(self) -> Variant:
@@ -174,7 +176,26 @@ def tune(settings: Settings, handler: Handler) -> Tuned:
     tuned = _with_profile(settings, handler, model, device, lanes)
     tuned.device, tuned.model, tuned.lanes = device, model, lanes
     tuned.notes.insert(0, pool_note)
+    _use_package(tuned, handler, model, device, lanes)
     return tuned
+
+
+def _use_package(tuned: Tuned, handler: Handler, model: Callable[[torch.Tensor], torch.Tensor],
+                 device: torch.device, lanes: int) -> None:
+    """A compiled variant in full precision is served from an AOTInductor package kept
+    beside the profile (NOTE [ Compiled packages ] in gpu_worker/packaged.py): one graph
+    for every batch size, so batches are not padded to compiled sizes."""
+    from redbatch.gpu_worker.packaged import package_path, packaged
+    from redbatch.gpu_worker.tuning.variants import device_info, fingerprint
+
+    if not packaged(tuned.variant, device):
+        return
+    s = tuned.settings
+    profile_file = profile_path(profile_dir(s), model_name_from_spec(s.model.spec),
+                                device_info(device, lanes))
+    tuned.package = package_path(profile_file, fingerprint(handler, model), tuned.variant,
+                                 s.batch.max_batch_size, device)
+    tuned.preferred_sizes, tuned.always_round_up = (), False
 
 
 def sized_pool(settings: Settings, device_type: str, lanes: int,
