@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import io
 import threading
+from collections.abc import Callable
+from typing import cast
 
 import redis
 from conftest import WorkerFactory
@@ -69,6 +71,39 @@ def _job_path(calls: dict[str, int]) -> int:
     return _total(calls) - sum(calls.get(name, 0) for name in CLOCK)
 
 
+def _per_request(redis_url: str, r: redis.Redis, start_worker: WorkerFactory,
+                 done_only: bool,
+                 wait_one: Callable[[redis.Redis, str], object]) -> tuple[list[str],
+                                                                           dict[str, int]]:
+    """Queue N_JOBS jobs that name no reply list (``done_only`` as given), start one
+    waiter thread per job running ``wait_one(client, request id)`` (which returns the
+    result envelope), then the worker; returns the ids and Redis's call counts, after
+    checking every waiter got its own envelope."""
+    with Client(redis_url, model=NULL) as client:
+        client.submit_many([PHOTO], timeout_s=60)  # the admission script is loaded
+        r.config_resetstat()
+        ids = client.submit_jobs([client.job(PHOTO, timeout_s=120, done_only=done_only)
+                                  for _ in range(N_JOBS)])
+    # A socket timeout well past the waits' 5 s slices: a slice that ends empty while the
+    # worker starts (a slow machine) comes back as None, instead of racing the socket.
+    pool = redis.ConnectionPool.from_url(redis_url, max_connections=N_JOBS + 10,
+                                         socket_timeout=30)
+    waiter = redis.Redis(connection_pool=pool)
+    got: dict[str, object] = {}
+    threads = [threading.Thread(target=lambda rid=rid: got.update({rid: wait_one(waiter, rid)}))
+               for rid in ids]
+    for thread in threads:
+        thread.start()
+    start_worker(*GPU_LIKE, model=NULL)
+    for thread in threads:
+        thread.join(90)
+    pool.disconnect()
+    assert len(got) == N_JOBS and all(got.values())
+    assert {ResultEnvelope.decode(cast(bytes, data)).request_id
+            for data in got.values()} == set(ids)
+    return ids, _calls(r)
+
+
 def test_the_reply_list_path_costs_at_most_four_calls_per_job(
         redis_url: str, r: redis.Redis, start_worker: WorkerFactory) -> None:
     """Client.submit_many + results: the client's jobs name its reply list."""
@@ -98,34 +133,14 @@ def test_the_per_request_path_costs_a_token_and_one_wait_per_job_on_top(
     empty): the done token (RPUSH, PEXPIRE) and the pop come on top of the reply-list
     path's three calls."""
     keys = Keys(NULL)
-    with Client(redis_url, model=NULL) as client:
-        client.submit_many([PHOTO], timeout_s=60)
-        r.config_resetstat()
-        ids = client.submit_jobs([client.job(PHOTO, timeout_s=120) for _ in range(N_JOBS)])
-    # A socket timeout well past the pop's 5 s slice: a slice that ends empty while the
-    # worker starts (a slow machine) comes back as None, instead of racing the socket.
-    pool = redis.ConnectionPool.from_url(redis_url, max_connections=N_JOBS + 10,
-                                         socket_timeout=30)
-    waiter = redis.Redis(connection_pool=pool)
-    got: dict[str, object] = {}
 
-    def wait(rid: str) -> None:
+    def wait(waiter: redis.Redis, rid: str) -> object:
         while (popped := waiter.blpop([keys.done(rid)], timeout=5)) is None:
             if (data := waiter.get(keys.result(rid))) is not None:
-                got[rid] = data
-                return
-        got[rid] = popped[1]
+                return data
+        return popped[1]
 
-    threads = [threading.Thread(target=wait, args=(rid,)) for rid in ids]
-    for thread in threads:
-        thread.start()
-    start_worker(*GPU_LIKE, model=NULL)
-    for thread in threads:
-        thread.join(90)
-    pool.disconnect()
-    calls = _calls(r)
-    assert len(got) == N_JOBS and all(got.values())
-    assert {ResultEnvelope.decode(data).request_id for data in got.values()} == set(ids)
+    _, calls = _per_request(redis_url, r, start_worker, False, wait)
     own = _per_job(calls, "xadd", "set", "rpush", "pexpire", "blpop", "get")
     print(f"\nper-request path: {_total(calls) / N_JOBS:.2f} calls per job, "
           f"{_job_path(calls) / N_JOBS:.2f} without the clock's, {own:.2f} of them each "
@@ -149,32 +164,14 @@ def test_the_done_only_per_request_path_costs_at_most_six_calls_per_job(
     owner claim, its done list (RPUSH, PEXPIRE) and its wait, five calls, and the groups'
     share stays under one more."""
     keys = Keys(NULL)
-    with Client(redis_url, model=NULL) as client:
-        client.submit_many([PHOTO], timeout_s=60)
-        r.config_resetstat()
-        ids = client.submit_jobs([client.job(PHOTO, timeout_s=120, done_only=True)
-                                  for _ in range(N_JOBS)])
-    pool = redis.ConnectionPool.from_url(redis_url, max_connections=N_JOBS + 10,
-                                         socket_timeout=30)
-    waiter = redis.Redis(connection_pool=pool)
-    got: dict[str, object] = {}
 
-    def wait(rid: str) -> None:
+    def wait(waiter: redis.Redis, rid: str) -> object:
         done = keys.done(rid)
         while (first := waiter.blmove(done, done, 5, "LEFT", "LEFT")) is None:
             pass
-        got[rid] = first
+        return first
 
-    threads = [threading.Thread(target=wait, args=(rid,)) for rid in ids]
-    for thread in threads:
-        thread.start()
-    start_worker(*GPU_LIKE, model=NULL)
-    for thread in threads:
-        thread.join(90)
-    pool.disconnect()
-    calls = _calls(r)
-    assert len(got) == N_JOBS and all(got.values())
-    assert {ResultEnvelope.decode(data).request_id for data in got.values()} == set(ids)
+    ids, calls = _per_request(redis_url, r, start_worker, True, wait)
     assert all(r.llen(keys.done(rid)) == 1 for rid in ids[:20])  # read, not consumed
     own = _per_job(calls, "xadd", "set", "rpush", "pexpire", "blmove", "get")
     print(f"\ndone-only per-request path: {_total(calls) / N_JOBS:.2f} calls per job, "
