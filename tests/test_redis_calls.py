@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import redis
@@ -73,8 +73,8 @@ def _job_path(calls: dict[str, int]) -> int:
 
 def _per_request(redis_url: str, r: redis.Redis, start_worker: WorkerFactory,
                  done_only: bool,
-                 wait_one: Callable[[redis.Redis, str], object]) -> tuple[list[str],
-                                                                           dict[str, int]]:
+                 wait_one: Callable[[redis.Redis, str], object]
+                 ) -> tuple[Sequence[str], dict[str, int]]:
     """Queue N_JOBS jobs that name no reply list (``done_only`` as given), start one
     waiter thread per job running ``wait_one(client, request id)`` (which returns the
     result envelope), then the worker; returns the ids and Redis's call counts, after
