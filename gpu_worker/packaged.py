@@ -68,6 +68,21 @@ def package_path(profile_file: Path, fingerprint: str, variant: Variant, max_bat
     return profile_file.with_name(f"{profile_file.stem}--{variant.name}--{tag}.so")
 
 
+def package_or_none(model: Compiled, variant: Variant, input_shape: tuple[int, ...],
+                    input_dtype: str, max_batch: int, device: torch.device, path: Path,
+                    runners: int) -> tuple[Compiled | None, str]:
+    """:func:`load_or_build`, or None when the model cannot be packaged (export refuses
+    data-dependent control flow that ``torch.compile`` handles with graph breaks, or
+    there is no C++ compiler): the worker then compiles it as before, and the note says
+    why. A model that cannot be packaged never stops a worker from starting."""
+    try:
+        return load_or_build(model, variant, input_shape, input_dtype, max_batch, device,
+                             path, runners)
+    except Exception as e:  # noqa: BLE001 - any failure falls back to torch.compile
+        return None, (f"no compiled package ({type(e).__name__}: {str(e)[:200]}); "
+                      "torch.compile compiles each batch size at start instead")
+
+
 def load_or_build(model: Compiled, variant: Variant, input_shape: tuple[int, ...],
                   input_dtype: str, max_batch: int, device: torch.device, path: Path,
                   runners: int) -> tuple[Compiled, str]:

@@ -131,13 +131,17 @@ def load_model(s: Settings, tuned: Tuned, handler: Handler, slots: SlotArray,
     assert tuned.device is not None, "tune() chose the device"
     model, variant = tuned.model, tuned.variant
     if tuned.package is not None and model is not None:
-        from redbatch.gpu_worker.packaged import load_or_build
+        from redbatch.gpu_worker.packaged import package_or_none
 
-        model, note = load_or_build(model, variant, handler.input_shape, handler.input_dtype,
-                                    s.batch.max_batch_size, tuned.device, tuned.package,
-                                    tuned.lanes)
-        logger.info("tuning: %s", note)
-        variant = replace(variant, compile=False)  # the package is the compiled model
+        packaged, note = package_or_none(model, variant, handler.input_shape,
+                                         handler.input_dtype, s.batch.max_batch_size,
+                                         tuned.device, tuned.package, tuned.lanes)
+        if packaged is not None:
+            logger.info("tuning: %s", note)
+            model = packaged
+            variant = replace(variant, compile=False)  # the package is the compiled model
+        else:  # torch.compile; batches run at the warmed-up sizes (ModelRunner pads)
+            logger.warning("tuning: %s", note)
     runner = ModelRunner(handler, tuned.device, slots.array, s.batch.max_batch_size,
                          variant, model=model,
                          memory_watermark=s.tune.memory_watermark, lanes=tuned.lanes)

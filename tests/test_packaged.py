@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from redbatch.gpu_worker.packaged import load_or_build, package_path, packaged
+from redbatch.gpu_worker.packaged import (
+    load_or_build,
+    package_or_none,
+    package_path,
+    packaged,
+)
 from redbatch.gpu_worker.tuning.profile import Variant
 
 CL_COMPILE = Variant(channels_last=True, compile=True)
@@ -123,3 +128,21 @@ def test_the_gil_is_free_while_a_package_runs(built: tuple[SmallNet, Path, str])
         thread.join()
     # Held for the whole call, the counter would crawl (10% with the package's own loader).
     assert beside > 0.3 * alone, (beside, alone)
+
+
+class Branchy(SmallNet):
+    """Control flow on the data: torch.compile takes it (a graph break), export does not."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out if bool(x.sum() > 0) else -out
+
+
+def test_a_model_that_cannot_be_packaged_falls_back_with_a_note(tmp_path: Path) -> None:
+    """A worker never fails to start because its model cannot be exported: no package,
+    nothing left behind, and a note saying torch.compile takes over."""
+    path = tmp_path / "branchy.so"
+    compiled, note = package_or_none(Branchy().eval(), CL_COMPILE, SHAPE, "float32",
+                                     MAX_BATCH, torch.device("cpu"), path, runners=1)
+    assert compiled is None and "torch.compile compiles each batch size" in note, note
+    assert list(tmp_path.iterdir()) == []
