@@ -77,12 +77,10 @@ def redis_for(options: dict[str, Any]) -> Iterator[str]:
     try:
         # The private worker's start-up lines would bury the command's own output.
         quiet = [] if options["log_level"].upper() == "DEBUG" else ["--log-level", "WARNING"]
-        tuned_before = has_profile(options["model_spec"])
-        if tune and not tuned_before:
+        if not has_profile(options["model_spec"]):
             click.echo("redbatch: measuring this machine for the model once (--tune: a few "
-                       "minutes); later runs load the profile", err=True)
-        elif not tune and not tuned_before:
-            click.echo("redbatch: no calibration profile for this model here, so the untuned "
+                       "minutes); later runs load the profile" if tune else
+                       "redbatch: no calibration profile for this model here, so the untuned "
                        "path runs; add --tune once (a few minutes) and later runs load it",
                        err=True)
         with LocalStack(options["model_spec"], served_name(options), options["prefix"],

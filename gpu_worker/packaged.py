@@ -91,7 +91,7 @@ def load_or_build(model: Compiled, variant: Variant, input_shape: tuple[int, ...
     start = time.perf_counter()
     if path.exists():
         try:
-            loaded = _load(path, device, runners)
+            loaded = _Container(path, runners)
             return loaded, (f"loaded compiled package {path} in "
                             f"{time.perf_counter() - start:.1f} s")
         except Exception as e:  # noqa: BLE001 - any unusable package is built again
@@ -99,7 +99,7 @@ def load_or_build(model: Compiled, variant: Variant, input_shape: tuple[int, ...
                            path, type(e).__name__, str(e)[:200])
     _build(model, variant, input_shape, input_dtype, max_batch, device, path)
     built_s = time.perf_counter() - start
-    loaded = _load(path, device, runners)
+    loaded = _Container(path, runners)
     return loaded, (f"built compiled package {path} in {built_s:.1f} s (batch 1-{max_batch}; "
                     "later starts load it)")
 
@@ -152,7 +152,7 @@ class _Container:
         lib.AOTInductorModelContainerDelete.argtypes = [h]
         self._handle = h()
         self._check(lib.AOTInductorModelContainerCreateWithDevice(
-            ctypes.byref(self._handle), models, b"cpu", None), "create")
+            ctypes.byref(self._handle), max(1, models), b"cpu", None), "create")
         outputs = size()
         self._check(lib.AOTInductorModelContainerGetNumOutputs(
             self._handle, ctypes.byref(outputs)), "count outputs")
@@ -197,6 +197,3 @@ def _capsule(pointer: int | None) -> object:
     """A tensor handle in a capsule, as torch's AOTI bindings take it."""
     return _api.PyCapsule_New(pointer, None, None)
 
-
-def _load(path: Path, device: torch.device, runners: int) -> Compiled:
-    return _Container(path, max(1, runners))

@@ -165,6 +165,7 @@ def tune(settings: Settings, handler: Handler) -> Tuned:
     """
     import torch
     from redbatch.gpu_worker.device import choose_torch_threads, cpu_lanes, resolve_device
+    from redbatch.gpu_worker.tuning.variants import device_info, fingerprint
 
     device = resolve_device(settings.model.device)
     lanes = cpu_lanes(settings.model.cpu_lanes) if device.type == "cpu" else 1
@@ -173,28 +174,28 @@ def tune(settings: Settings, handler: Handler) -> Tuned:
     torch.set_num_threads(threads)
     settings, pool_note = sized_pool(settings, device.type, lanes, threads)
     model = handler.load(device)
-    tuned = _with_profile(settings, handler, model, device, lanes)
+    # This model's profile file on this device, and the model's fingerprint: the profile
+    # is looked up by both, and a compiled package is named after them.
+    path = profile_path(profile_dir(settings), model_name_from_spec(settings.model.spec),
+                        device_info(device, lanes))
+    fp = fingerprint(handler, model)
+    tuned = _with_profile(settings, handler, model, device, lanes, path, fp)
     tuned.device, tuned.model, tuned.lanes = device, model, lanes
     tuned.notes.insert(0, pool_note)
-    _use_package(tuned, handler, model, device, lanes)
+    _use_package(tuned, device, path, fp)
     return tuned
 
 
-def _use_package(tuned: Tuned, handler: Handler, model: Callable[[torch.Tensor], torch.Tensor],
-                 device: torch.device, lanes: int) -> None:
+def _use_package(tuned: Tuned, device: torch.device, profile_file: Path, fp: str) -> None:
     """A compiled variant in full precision is served from an AOTInductor package kept
     beside the profile (NOTE [ Compiled packages ] in gpu_worker/packaged.py): one graph
     for every batch size, so batches are not padded to compiled sizes."""
     from redbatch.gpu_worker.packaged import package_path, packaged
-    from redbatch.gpu_worker.tuning.variants import device_info, fingerprint
 
     if not packaged(tuned.variant, device):
         return
-    s = tuned.settings
-    profile_file = profile_path(profile_dir(s), model_name_from_spec(s.model.spec),
-                                device_info(device, lanes))
-    tuned.package = package_path(profile_file, fingerprint(handler, model), tuned.variant,
-                                 s.batch.max_batch_size, device)
+    tuned.package = package_path(profile_file, fp, tuned.variant,
+                                 tuned.settings.batch.max_batch_size, device)
     tuned.preferred_sizes, tuned.always_round_up = (), False
 
 
@@ -214,20 +215,19 @@ def sized_pool(settings: Settings, device_type: str, lanes: int,
 
 def _with_profile(settings: Settings, handler: Handler,
                   model: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
-                  lanes: int) -> Tuned:
+                  lanes: int, path: Path, fp: str) -> Tuned:
+    """The profile at ``path`` applied (for the model with fingerprint ``fp``), as
+    ``--calibrate`` says: loaded, measured quickly and stored first, or none."""
     from redbatch.gpu_worker.tuning.calibrate import (
         CONTENDED_SHARE,
         CalibrationSettings,
         calibrate,
     )
-    from redbatch.gpu_worker.tuning.variants import device_info, fingerprint
 
     mode = settings.tune.calibrate
     if mode == "off":
         return Tuned(settings, notes=["calibration off: no profile, flags and defaults only"])
     name = model_name_from_spec(settings.model.spec)
-    path = profile_path(profile_dir(settings), name, device_info(device, lanes))
-    fp = fingerprint(handler, model)
     profile, why = find_profile(path, fp)
     if profile is not None and mode == "auto" and (why := worth_measuring_again(profile,
                                                                                settings)):

@@ -204,13 +204,13 @@ class _Sweep:
                 try:
                     job = self.runners[v].submit(list(range(size)), [{}] * size)
                     self.runners[v].finish(job)
+                    out = job.outputs
                 except Exception:  # noqa: BLE001 - its timing rows already say it failed
+                    out = None
+                if isinstance(out, torch.Tensor):
+                    rows[v].append(out[:n].detach().float().cpu().reshape(n, -1))
+                else:
                     del rows[v]
-                    continue
-                if not isinstance(job.outputs, torch.Tensor):
-                    del rows[v]
-                    continue
-                rows[v].append(job.outputs[:n].detach().float().cpu().reshape(n, -1))
         return {v: torch.cat(parts) for v, parts in rows.items() if parts}
 
 

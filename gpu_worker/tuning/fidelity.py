@@ -64,7 +64,6 @@ def real_samples(handler: Handler, count: int,
     return out[:kept] if kept else None
 
 
-
 def check_fidelity(handler: Handler, runs: Runs, measured: list[Measured], check: int,
                    count: int, allow_reduced_precision: bool,
                    report: Callable[[str], None]) -> list[Measured]:
@@ -77,10 +76,10 @@ def check_fidelity(handler: Handler, runs: Runs, measured: list[Measured], check
     variants = [m.variant for m in measured]
     compared = compare(runs.outputs(variants, check, samples), variants[0], samples is not None)
     n = 0 if samples is None else len(samples)
-    measured = [dataclasses.replace(m, output_error=compared.get(m.variant, (None, None))[0],
-                                    top1_agreement=compared.get(m.variant, (None, None))[1],
+    measured = [dataclasses.replace(m, output_error=error, top1_agreement=agreement,
                                     samples=n if m.variant in compared else 0)
-                for m in measured]
+                for m in measured
+                for error, agreement in [compared.get(m.variant, (None, None))]]
     for m in measured[1:]:
         verdict = "kept" if m.faithful else (
             "allowed (--allow-reduced-precision)" if m.eligible(allow_reduced_precision)
