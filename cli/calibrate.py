@@ -1,7 +1,7 @@
 """``redbatch calibrate``: measure the model alone on the device and store its profile.
 
 The measuring is ``gpu_worker/tuning/calibrate.py``'s; this module only parses the
-options and picks the threads and lanes the worker would run with.
+options, picks the threads and lanes the worker would run with, and prints the table.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from redbatch.common.logs import setup_logging
 
 if TYPE_CHECKING:
     from redbatch.gpu_worker.tuning.calibrate import CalibrationSettings
+    from redbatch.gpu_worker.tuning.profile import Profile
 
 
 @click.command()
 @o.MODEL()
 @o.DEVICE()
-# The sweep's own budget, given per run: no variable, and no limit unless given.
-@o.LATENCY_BUDGET_MS(envvar=None, default=None,
-                     help="Largest p95 latency of one batch, ms; sizes over it are not chosen.")
+# The sweep's own budget, given per run: no variable.
+@o.LATENCY_BUDGET_MS(envvar=None)
 @click.option("--max-batch-size", "--max-batch", "max_batch", type=click.IntRange(min=1),
               default=None,
               help="Largest batch size tried [default: 64 on CPU, 512 on CUDA; the sweep "
@@ -63,7 +63,7 @@ def calibrate(**options: Any) -> None:
     setup_logging(options.pop("log_level"))
     # Imported here: torch loads with these, which the other commands never need.
     from redbatch.gpu_worker.device import choose_torch_threads, cpu_lanes, resolve_device
-    from redbatch.gpu_worker.tuning.calibrate import calibrate_to_file, format_table
+    from redbatch.gpu_worker.tuning.calibrate import calibrate_to_file
 
     try:
         kind = resolve_device(options["device"]).type
@@ -93,3 +93,42 @@ def _settings(options: dict[str, Any], lanes: int) -> CalibrationSettings:
         try_compile=options["try_compile"], variants=tuple(options["variants"]),
         memory_watermark=options["memory_watermark"], lanes=lanes,
         allow_reduced_precision=options["allow_reduced_precision"])
+
+
+def format_table(profile: Profile) -> str:
+    """The measurements as a readable table, then the choice."""
+    from redbatch.gpu_worker.tuning.calibrate import CONTENDED_SHARE
+
+    d = profile.device
+    lanes = f"{d.lanes} batches at once x " if d.lanes > 1 else ""
+    lines = [f"{profile.model} on {d.kind} ({d.name}, {lanes}{d.torch_threads} torch threads), "
+             f"torch {profile.torch_version}",
+             f"{'variant':<26} {'batch':>5} {'median_ms':>10} {'p95_ms':>9} {'img/s':>8} "
+             f"{'vs eager':>8}"]
+    plain = {r.batch_size: r.images_per_s for r in profile.measured[0].rows}
+    for m in profile.measured:
+        for i, r in enumerate(m.rows):
+            ratio = f"{r.images_per_s / plain[r.batch_size]:.2f}" if plain.get(r.batch_size) \
+                else "-"
+            lines.append(f"{m.variant.name if i == 0 else '':<26} {r.batch_size:>5} "
+                         f"{r.median_ms:>10.1f} {r.p95_ms:>9.1f} {r.images_per_s:>8.1f} "
+                         f"{ratio:>8}")
+        error = "" if m is profile.measured[0] or (m.output_error is None
+                                                    and m.top1_agreement is None) else \
+            f"; {m.fidelity()} against {profile.measured[0].variant.name}" + \
+            ("" if m.faithful else " (changes answers)")
+        lines.append(f"{'':<26} stopped: {m.stopped}{error}")
+    c = profile.choice
+    measured_sizes = {r.batch_size for m in profile.measured for r in m.rows}
+    between = {s: ms for s, ms in c.latency_ms.items() if s not in measured_sizes}
+    if between:
+        lines.append(f"in-between sizes ({c.variant.name}): " + ", ".join(
+            f"{s}: {ms:.1f} ms" for s, ms in sorted(between.items())))
+    share = profile.settings.get("cpu_share")
+    if share is not None:
+        busy = " (contended: other processes took CPU time)" if share < CONTENDED_SHARE else ""
+        lines.append(f"CPU time the timed runs got: {share:.0%} of {d.lanes * d.torch_threads}"
+                     f" thread(s){busy}")
+    lines.append(f"choice: {c.variant.name}, max batch {c.max_batch_size} ({c.reason}); "
+                 f"preferred batch sizes: {list(c.preferred_batch_sizes) or 'none'}")
+    return "\n".join(lines)

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import click
 from redbatch.common.config import (
+    Budget,
     ModelSettings,
     PoolSettings,
     RedisSettings,
@@ -22,6 +23,7 @@ from redbatch.common.config import (
     check_redis_url,
     default_of,
     model_name_from_spec,
+    parse_latency_budget,
 )
 from redbatch.common.logs import LOG_FORMATS
 from redbatch.common.protocol import Lane
@@ -141,9 +143,21 @@ ALLOW_REDUCED_PRECISION = option(
     help="Let calibration choose reduced precision (bf16/fp16 autocast) for speed although "
          "it changes the plain model's top class on more than 0.5% of real samples (or "
          "was never checked on any) [default: faithful: never].")
-LATENCY_BUDGET_MS = option("--latency-budget-ms", env="LATENCY_BUDGET_MS",
-                           type=click.FloatRange(min=0),
-                           default=default_of(TuneSettings, "latency_budget_ms"))
+
+
+def _budget(ctx: click.Context, param: click.Parameter, value: object) -> Budget:
+    """--latency-budget-ms: "auto", "off" (or 0) or milliseconds, in one line if wrong."""
+    try:
+        return parse_latency_budget(str(value))
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+LATENCY_BUDGET_MS = option(
+    "--latency-budget-ms", env="LATENCY_BUDGET_MS", callback=_budget,
+    default=default_of(TuneSettings, "latency_budget_ms"), metavar="auto|off|MS",
+    help="p95 latency one batch may take when calibrating: auto (the largest batch whose "
+         "p99 at 80% load is no worse than batch 1's), off (throughput alone), or ms.")
 
 
 def common_options(f: F) -> F:

@@ -109,7 +109,7 @@ _tuning_options = together(
         help="auto: load this model's and device's calibration profile, or calibrate "
              "quickly and store one when there is none; load: only load; off: no profile."),
     o.PROFILE_DIR(),
-    o.LATENCY_BUDGET_MS(help="p95 batch latency allowed when calibrating, ms (0: no limit)."),
+    o.LATENCY_BUDGET_MS(),
     o.ALLOW_REDUCED_PRECISION(),
     opt("--channels-last/--no-channels-last", env="CHANNELS_LAST",
         default=default_of(ModelSettings, "channels_last"), show_default=False,

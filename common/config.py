@@ -16,7 +16,7 @@ import socket
 import uuid
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 from urllib.parse import SplitResult, unquote_plus, urlsplit
 
 from redbatch.common.protocol import DEFAULT_PREFIX, validate_name
@@ -231,6 +231,28 @@ def model_name_from_spec(spec: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.\-]", "_", base)[:64] or "model"
 
 
+#: The p95 a batch may take, ms: a number, "auto" (gpu_worker/tuning/latency.py: from
+#: each variant's own table), or None (no limit: throughput alone).
+Budget = float | Literal["auto"] | None
+
+
+def parse_latency_budget(text: str) -> Budget:
+    """``--latency-budget-ms``: "auto", "off" (or 0: no limit), or milliseconds > 0.
+    Raises ValueError otherwise."""
+    word = text.strip().lower()
+    if word == "auto":
+        return "auto"
+    if word in ("off", "none"):
+        return None
+    try:
+        ms = float(word)
+    except ValueError:
+        raise ValueError(f"latency budget {text!r}: expected auto, off or milliseconds") from None
+    if not ms >= 0 or ms == float("inf"):
+        raise ValueError(f"latency budget {text!r}: expected auto, off or milliseconds")
+    return ms or None
+
+
 @dataclass(frozen=True, slots=True)
 class TuneSettings:
     """Where the calibration profile comes from (see gpu_worker/tuning/apply.py)."""
@@ -238,7 +260,8 @@ class TuneSettings:
     #: Settings a calibration profile may set unless they are given explicitly: the
     #: names that ``explicit`` may hold.
     TUNABLE: ClassVar[tuple[str, ...]] = (
-        "max_batch_size", "max_inflight", "channels_last", "autocast", "compile")
+        "max_batch_size", "max_inflight", "channels_last", "autocast", "compile",
+        "latency_budget_ms")
     #: Where the profile comes from: the values ``calibrate`` may take.
     CALIBRATE_MODES: ClassVar[tuple[str, ...]] = ("auto", "load", "off")
 
@@ -247,8 +270,10 @@ class TuneSettings:
     calibrate: str = "auto"
     #: Profile directory; empty: $REDBATCH_PROFILE_DIR, else ~/.cache/redbatch/profiles.
     profile_dir: str = ""
-    #: p95 latency a batch may take when the worker calibrates itself, ms; 0: no limit.
-    latency_budget_ms: float = 0.0
+    #: p95 latency a batch may take, ms: "auto" (the largest batch whose p99 at 80% load is
+    #: no worse than batch 1's), or None: no limit. A profile is chosen under the budget
+    #: it was calibrated with, unless this is given explicitly.
+    latency_budget_ms: Budget = "auto"
     #: CUDA: share of device memory kept free; the batch limit drops before it is reached.
     memory_watermark: float = 0.1
     #: Reduced precision (autocast) may be chosen although it changes the plain model's
@@ -263,6 +288,10 @@ class TuneSettings:
             raise ValueError("calibrate must be auto, load or off")
         if not 0 <= self.memory_watermark < 1:
             raise ValueError("memory_watermark must be in [0, 1)")
+        budget = self.latency_budget_ms
+        if budget not in ("auto", None) and not (isinstance(budget, (int, float))
+                                                 and 0 < budget < float("inf")):
+            raise ValueError("latency_budget_ms must be auto, None or milliseconds > 0")
 
 
 def default_consumer_name() -> str:

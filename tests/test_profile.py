@@ -7,6 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
+from redbatch.gpu_worker.tuning.choosing import (
+    choose,
+    pick_max_batch,
+    pick_variant,
+    preferred_sizes,
+    served_choice,
+)
 from redbatch.gpu_worker.tuning.profile import (
     Choice,
     DeviceInfo,
@@ -14,12 +21,7 @@ from redbatch.gpu_worker.tuning.profile import (
     Profile,
     Row,
     Variant,
-    choose,
-    eligible_choice,
     load_profile,
-    pick_max_batch,
-    pick_variant,
-    preferred_sizes,
     profile_path,
     save_profile,
 )
@@ -64,11 +66,12 @@ def test_fastest_variant_wins_only_when_measurably_faster() -> None:
     eager = Measured(Variant(), CPU_FALLING)
     cl_faster = Measured(Variant(channels_last=True),
                          table({1: 18.0, 2: 25.0, 4: 36.0, 8: 60.0, 16: 130.0}))
-    best, size = pick_variant([eager, cl_faster])
-    assert best.variant.channels_last and size == 8  # 133 img/s at 8 against 84 eager at 4
+    pick = pick_variant([eager, cl_faster])
+    # 133 img/s at 8 against 84 eager at 4
+    assert pick.measured.variant.channels_last and pick.size == 8
     barely = Measured(Variant(channels_last=True),
                       table({1: 19.9, 2: 29.9, 4: 47.0, 8: 189.0}))  # 1% faster: noise
-    assert pick_variant([eager, barely])[0].variant == Variant()
+    assert pick_variant([eager, barely]).measured.variant == Variant()
 
 
 def test_preferred_sizes_are_those_faster_than_a_smaller_one() -> None:
@@ -102,7 +105,8 @@ def sample_profile() -> Profile:
                 Measured(Variant(channels_last=True), CPU_FALLING, "throughput fell"))
     return Profile("efficientnet_lite0", "efficientnet_lite0", "sha256:abc",
                    DeviceInfo("cpu", "AMD EPYC", 2), "2.13.0", "2026-01-01T00:00:00Z",
-                   {"latency_budget_ms": None, "max_batch_cap": 64, "runs": 5, "quick": False},
+                   {"latency_budget_ms": None, "max_wait_ms": 5.0, "max_batch_cap": 64, "runs": 5,
+                    "quick": False},
                    measured, Choice(Variant(), 16, (8,), {1: 10.0, 16: 66.67}, "why"))
 
 
@@ -209,6 +213,30 @@ def test_a_profile_that_chose_unchecked_reduced_precision_is_chosen_again() -> N
     old = dataclasses.replace(sample_profile(), measured=(plain, bf16),
                               choice=choose([plain, bf16], allow_reduced_precision=True))
     assert old.choice.variant == bf16.variant
-    choice, why = eligible_choice(old)
+    choice, why = served_choice(old)
     assert choice.variant == Variant() and "may change answers" in why
-    assert eligible_choice(old, allow_reduced_precision=True) == (old.choice, "")
+    assert served_choice(old, allow_reduced_precision=True) == (old.choice, "")
+
+
+def test_a_worker_serves_the_latency_budget_it_asks_for() -> None:
+    """A profile keeps the budget it was calibrated with unless the worker is given one;
+    one written before the default budget (throughput alone) gets the default."""
+    rows = tuple(Row(s, ms, ms * 1.1, 5, None, 2) for s, ms in
+                 {1: 14.2, 2: 21.1, 4: 31.8, 8: 60.9, 16: 119.4, 32: 239.2}.items())
+    measured = (Measured(Variant(channels_last=True, compile=True), rows,
+                         top1_agreement=1.0, samples=256),)
+    new = dataclasses.replace(sample_profile(), measured=measured,
+                              settings={"latency_budget_ms": "auto", "max_wait_ms": 5.0},
+                              choice=choose(measured, "auto"))
+    assert new.choice.max_batch_size == 4
+    assert served_choice(new) == (new.choice, "")
+    choice, why = served_choice(new, budget=None, budget_given=True)
+    assert choice.max_batch_size == 8 and "this worker's is off" in why
+    choice, why = served_choice(new, budget=30.0, budget_given=True)
+    assert choice.max_batch_size == 2 and "this worker's is 30 ms" in why
+    old = dataclasses.replace(new, settings={"latency_budget_ms": None},
+                              choice=choose(measured))
+    assert old.choice.max_batch_size == 8
+    choice, why = served_choice(old)
+    assert choice.max_batch_size == 4 and "latency budget off, this worker's is auto" in why
+    assert choice.preferred_batch_sizes == (1, 2, 4)  # compiled: the sizes measured

@@ -45,8 +45,10 @@ CL = Variant(channels_last=True)
 
 def profile(variant: Variant = CL, max_batch: int = 16, preferred: tuple[int, ...] = (8,),
             **measured: object) -> Profile:
+    """A profile as calibrate writes it today (its budget "auto" stands: never chosen again)."""
     rows = (Row(1, 10.0, 11.0, 3), Row(16, 80.0, 90.0, 3))
-    return Profile("m", "m", "sha256:1", DeviceInfo("cpu", "x", 2), "2.13", "now", measured,
+    written = {"latency_budget_ms": "auto", "max_wait_ms": 5.0, **measured}
+    return Profile("m", "m", "sha256:1", DeviceInfo("cpu", "x", 2), "2.13", "now", written,
                    (Measured(variant, rows, top1_agreement=1.0, samples=256),),
                    Choice(variant, max_batch, preferred, {1: 10.0, 7: 60.0, 8: 50.0, 16: 80.0}))
 

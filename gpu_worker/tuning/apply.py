@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from redbatch.common.config import Settings, model_name_from_spec
+from redbatch.gpu_worker.tuning.choosing import served_choice
 from redbatch.gpu_worker.tuning.profile import (
     Profile,
     Variant,
     default_profile_dir,
-    eligible_choice,
     load_profile,
     profile_path,
     save_profile,
@@ -70,7 +70,9 @@ class Tuned:
 def apply_profile(settings: Settings, profile: Profile) -> Tuned:
     """The profile's choice for every tunable setting not given explicitly. Pure."""
     explicit = settings.tune.explicit
-    choice, why = eligible_choice(profile, settings.tune.allow_reduced_precision)
+    tune = settings.tune
+    choice, why = served_choice(profile, tune.allow_reduced_precision, tune.latency_budget_ms,
+                                "latency_budget_ms" in explicit, settings.batch.max_wait_ms)
     batch, model = settings.batch, settings.model
     took: list[str] = []
     kept: list[str] = []
@@ -236,14 +238,15 @@ def _with_profile(settings: Settings, handler: Handler,
     if profile is None and mode == "auto":
         cap = settings.batch.max_batch_size if "max_batch_size" in settings.tune.explicit \
             else None
-        budget = settings.tune.latency_budget_ms or None
         allow_lossy = settings.tune.allow_reduced_precision
         logger.info("%s: calibrating (quick) before serving", why)
         # --compile/--no-compile given: measure only what was asked for.
         compile_asked = settings.model.compile if "compile" in settings.tune.explicit else None
         profile = calibrate(handler, model, device, settings.model.spec, name,
                             dataclasses.replace(CalibrationSettings.quick_settings(cap),
-                                                latency_budget_ms=budget, lanes=lanes,
+                                                latency_budget_ms=settings.tune.latency_budget_ms,
+                                                max_wait_ms=settings.batch.max_wait_ms,
+                                                lanes=lanes,
                                                 try_compile=compile_asked,
                                                 allow_reduced_precision=allow_lossy))
         save_profile(profile, path)

@@ -22,9 +22,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from redbatch.common.config import LimitSettings, TuneSettings, default_of, model_name_from_spec
+from redbatch.common.config import (
+    DEFAULT_MAX_WAIT_MS,
+    Budget,
+    LimitSettings,
+    TuneSettings,
+    default_of,
+    model_name_from_spec,
+)
 from redbatch.gpu_worker.device import resolve_device
 from redbatch.gpu_worker.model import ModelRunner
+from redbatch.gpu_worker.tuning.choosing import choose
 from redbatch.gpu_worker.tuning.fidelity import check_fidelity
 from redbatch.gpu_worker.tuning.profile import (
     MIN_TOP1_AGREEMENT,
@@ -32,7 +40,6 @@ from redbatch.gpu_worker.tuning.profile import (
     Profile,
     Row,
     Variant,
-    choose,
     default_profile_dir,
     profile_path,
     save_profile,
@@ -74,8 +81,10 @@ QUICK_FIDELITY_SAMPLES = 64
 class CalibrationSettings:
     #: Largest batch size tried; None: DEFAULT_CAP for the device kind.
     max_batch: int | None = None
-    #: p95 latency a batch may take, ms; None: no limit.
-    latency_budget_ms: float | None = None
+    #: p95 latency a batch may take: ms, "auto" (the default budget, latency.py) or None.
+    latency_budget_ms: Budget = "auto"
+    #: The batcher's max wait, ms, which the default budget's simulation assumes.
+    max_wait_ms: float = DEFAULT_MAX_WAIT_MS
     #: Timed runs per batch size and variant (median and p95 are over these).
     runs: int = 7
     #: Untimed runs per size first (lazy init, cuDNN benchmarking, compilation).
@@ -253,14 +262,15 @@ class _Sweep:
         return ""
 
 
-def stop_reason(rows: Sequence[Row], latency_budget_ms: float | None) -> str:
-    """Why a sweep should not try a larger size, from its rows so far (ascending), or ''."""
+def stop_reason(rows: Sequence[Row], latency_budget_ms: Budget) -> str:
+    """Why a sweep should not try a larger size, from its rows so far (ascending), or ''.
+    The default budget ("auto") is only known from the whole table: it never stops one."""
     last = rows[-1]
     best = max(r.images_per_s for r in rows)
     fallen = len(rows) >= 3 and all(r.images_per_s < FALLEN_SHARE * best for r in rows[-2:])
     if fallen or last.images_per_s < CLEARLY_FALLEN * best:
         return f"throughput fell to {last.images_per_s / best:.0%} of its best"
-    if latency_budget_ms is not None and last.p95_ms > latency_budget_ms:
+    if isinstance(latency_budget_ms, float) and last.p95_ms > latency_budget_ms:
         return f"p95 {last.p95_ms:.1f} ms over the {latency_budget_ms:g} ms budget"
     if len(rows) >= 4 and all(rows[i].images_per_s < PLATEAU_GAIN * rows[i - 1].images_per_s
                               for i in (-1, -2, -3)):
@@ -318,63 +328,28 @@ def calibrate(handler: Handler, model: Model, device: torch.device, spec: str, n
     check = min([cap, ERROR_CHECK_BATCH, *(m.rows[-1].batch_size for m in measured if m.rows)])
     measured = check_fidelity(handler, runs, measured, check, settings.fidelity_samples,
                               settings.allow_reduced_precision, report)
-    allow = settings.allow_reduced_precision
-    choice = choose(measured, settings.latency_budget_ms, allow_reduced_precision=allow)
+    allow, budget, wait = (settings.allow_reduced_precision, settings.latency_budget_ms,
+                           settings.max_wait_ms)
+    choice = choose(measured, budget, allow_reduced_precision=allow, max_wait_ms=wait)
     # Sizes just below the powers of two, for the chosen variant only: may round up pay?
     extra = [s for s in between_sizes(choice.max_batch_size)
              if s not in {r.batch_size for m in measured for r in m.rows}]
     extra_rows = [got for s in extra
                   for got in runs.time_size(s, [choice.variant]).values()
                   if isinstance(got, Row)]
-    choice = choose(measured, settings.latency_budget_ms, extra_rows=extra_rows,
-                    allow_reduced_precision=allow)
+    choice = choose(measured, budget, extra_rows=extra_rows, allow_reduced_precision=allow,
+                    max_wait_ms=wait)
     return Profile(model=name, model_spec=spec, fingerprint=fp, device=info,
                    torch_version=torch.__version__,
                    created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                   settings={"latency_budget_ms": settings.latency_budget_ms, "max_batch_cap": cap,
+                   settings={"latency_budget_ms": budget, "max_wait_ms": wait,
+                             "max_batch_cap": cap,
                              "runs": settings.runs, "quick": settings.quick,
                              "allow_reduced_precision": allow,
                              "min_top1_agreement": MIN_TOP1_AGREEMENT,
                              "cpu_share": None if runs.cpu_share is None
                              else round(runs.cpu_share, 3)},
                    measured=tuple(measured), choice=choice)
-
-
-def format_table(profile: Profile) -> str:
-    """The measurements as a readable table, then the choice."""
-    d = profile.device
-    lanes = f"{d.lanes} batches at once x " if d.lanes > 1 else ""
-    lines = [f"{profile.model} on {d.kind} ({d.name}, {lanes}{d.torch_threads} torch threads), "
-             f"torch {profile.torch_version}",
-             f"{'variant':<26} {'batch':>5} {'median_ms':>10} {'p95_ms':>9} {'img/s':>8} "
-             f"{'vs eager':>8}"]
-    plain = {r.batch_size: r.images_per_s for r in profile.measured[0].rows}
-    for m in profile.measured:
-        for i, r in enumerate(m.rows):
-            ratio = f"{r.images_per_s / plain[r.batch_size]:.2f}" if plain.get(r.batch_size) \
-                else "-"
-            lines.append(f"{m.variant.name if i == 0 else '':<26} {r.batch_size:>5} "
-                         f"{r.median_ms:>10.1f} {r.p95_ms:>9.1f} {r.images_per_s:>8.1f} "
-                         f"{ratio:>8}")
-        error = "" if m is profile.measured[0] or (m.output_error is None
-                                                    and m.top1_agreement is None) else \
-            f"; {m.fidelity()} against {profile.measured[0].variant.name}" + \
-            ("" if m.faithful else " (changes answers)")
-        lines.append(f"{'':<26} stopped: {m.stopped}{error}")
-    c = profile.choice
-    measured_sizes = {r.batch_size for m in profile.measured for r in m.rows}
-    between = {s: ms for s, ms in c.latency_ms.items() if s not in measured_sizes}
-    if between:
-        lines.append(f"in-between sizes ({c.variant.name}): " + ", ".join(
-            f"{s}: {ms:.1f} ms" for s, ms in sorted(between.items())))
-    share = profile.settings.get("cpu_share")
-    if share is not None:
-        busy = " (contended: other processes took CPU time)" if share < CONTENDED_SHARE else ""
-        lines.append(f"CPU time the timed runs got: {share:.0%} of {d.lanes * d.torch_threads}"
-                     f" thread(s){busy}")
-    lines.append(f"choice: {c.variant.name}, max batch {c.max_batch_size} ({c.reason}); "
-                 f"preferred batch sizes: {list(c.preferred_batch_sizes) or 'none'}")
-    return "\n".join(lines)
 
 
 def calibrate_to_file(spec: str, device_spec: str, torch_threads: int,

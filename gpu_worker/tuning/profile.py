@@ -4,19 +4,18 @@ A profile is a JSON file per (model, device), written by ``redbatch calibrate``
 (or by a worker's own quick calibration) and read by ``redbatch worker`` at
 start. It holds, per device-path variant (channels_last, autocast, compile),
 the latency and throughput of each batch size measured, and the choice made
-from them: the variant, the max batch size and the preferred batch sizes.
+from them: the variant, the max batch size and the preferred batch sizes
+(the rules that choose are in choosing.py).
 
-Pure: no torch, no I/O beyond reading and writing the file, so the choosing
-rules are unit-tested on synthetic tables.
+Pure: no torch, no I/O beyond reading and writing the file.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,11 +24,6 @@ from typing import Any
 SCHEMA = 1
 #: Where profiles live when REDBATCH_PROFILE_DIR is not set: $XDG_CACHE_HOME/redbatch/profiles.
 PROFILE_DIR_ENV = "REDBATCH_PROFILE_DIR"
-#: Share of the peak throughput that the chosen max batch must reach.
-PEAK_SHARE = 0.95
-#: A variant or a rounded-up batch size must be this much faster to be preferred over the
-#: plain one: smaller differences are within the noise of a shared machine.
-MEASURABLY_FASTER = 1.05
 #: Largest output_error a variant may have and still be chosen. bf16 and fp16 differ from
 #: float32 by 1-4% on EfficientNet-Lite0; a variant that overflows, or a compiler bug,
 #: differs by far more. Necessary, not sufficient: see MIN_TOP1_AGREEMENT.
@@ -287,113 +281,3 @@ def load_profile(path: Path) -> Profile:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not JSON: {e}") from e
     return Profile.from_dict(data)
-
-
-# ---------------------------------------------------------------------------- choosing
-
-
-def within_budget(rows: Sequence[Row], latency_budget_ms: float | None) -> list[Row]:
-    """Rows whose p95 batch latency fits the budget (all rows without a budget)."""
-    if latency_budget_ms is None:
-        return list(rows)
-    return [r for r in rows if r.p95_ms <= latency_budget_ms]
-
-
-def pick_max_batch(rows: Sequence[Row], latency_budget_ms: float | None = None,
-                   share: float = PEAK_SHARE) -> int:
-    """The smallest batch size reaching ``share`` of the peak throughput among the sizes
-    whose p95 latency stays within ``latency_budget_ms``.
-
-    When no size fits the budget, the smallest size measured (the best that can be done).
-    Raises ValueError for an empty table.
-    """
-    if not rows:
-        raise ValueError("no measurements to choose from")
-    fitting = within_budget(rows, latency_budget_ms)
-    if not fitting:
-        return min(r.batch_size for r in rows)
-    peak = max(r.images_per_s for r in fitting)
-    return min(r.batch_size for r in fitting if r.images_per_s >= share * peak)
-
-
-def pick_variant(measured: Sequence[Measured], latency_budget_ms: float | None = None,
-                 share: float = PEAK_SHARE, allow_reduced_precision: bool = False
-                 ) -> tuple[Measured, int]:
-    """The variant with the highest throughput at its own chosen max batch, and that size,
-    among the eligible ones (:meth:`Measured.eligible`).
-
-    The first variant (the plain one) wins ties: another must be MEASURABLY_FASTER.
-    """
-    if not measured:
-        raise ValueError("no variants measured")
-    best: tuple[Measured, int, float] | None = None
-    for m in measured:
-        if not m.rows or not m.eligible(allow_reduced_precision):
-            continue
-        size = pick_max_batch(m.rows, latency_budget_ms, share)
-        rate = next(r.images_per_s for r in m.rows if r.batch_size == size)
-        if best is None or rate > best[2] * MEASURABLY_FASTER:
-            best = (m, size, rate)
-    if best is None:
-        raise ValueError("no variant has measurements")
-    return best[0], best[1]
-
-
-def preferred_sizes(rows: Sequence[Row], max_batch_size: int) -> tuple[int, ...]:
-    """Sizes that batches may be rounded up to: a size measured faster (by
-    MEASURABLY_FASTER) than a smaller size measured, so padding a batch up to it saves
-    time (e.g. 8 faster than 7 on a GPU whose kernels like multiples of 8)."""
-    by_size = {r.batch_size: r.median_ms for r in rows if r.batch_size <= max_batch_size}
-    return tuple(s for s in sorted(by_size)
-                 if any(t < s and by_size[t] > by_size[s] * MEASURABLY_FASTER for t in by_size))
-
-
-def choose(measured: Sequence[Measured], latency_budget_ms: float | None = None,
-           share: float = PEAK_SHARE, extra_rows: Sequence[Row] = (),
-           allow_reduced_precision: bool = False) -> Choice:
-    """The whole choice from the tables; ``extra_rows`` are in-between sizes (e.g. 7, 15)
-    measured for the chosen variant after the sweep, used for preferred sizes. The reason
-    says why, the fidelity of the chosen variant and the faster ones left out included."""
-    best, size = pick_variant(measured, latency_budget_ms, share, allow_reduced_precision)
-    rows = sorted([*best.rows, *extra_rows], key=lambda r: r.batch_size)
-    peak = max(within_budget(best.rows, latency_budget_ms) or best.rows,
-               key=lambda r: r.images_per_s)
-    budget = "" if latency_budget_ms is None else f", p95 within {latency_budget_ms:g} ms"
-    reason = (f"smallest batch reaching {share:.0%} of the peak {peak.images_per_s:.1f} img/s "
-              f"(batch {peak.batch_size}) of {best.variant.name}{budget}; "
-              f"{best.fidelity()}" + ("" if best.faithful else
-                                      " (reduced precision allowed by the operator)"))
-    left_out = [f"{m.variant.name} ({m.fidelity()})" for m in measured
-                if m.rows and not m.eligible(allow_reduced_precision)
-                and max(r.images_per_s for r in m.rows) > peak.images_per_s]
-    if left_out:
-        reason += "; faster but changes answers, not chosen: " + ", ".join(left_out)
-    # A compiled model has one graph per batch size: every batch is padded to a size
-    # measured (and so compiled) rather than compiling new shapes while serving.
-    preferred = tuple(r.batch_size for r in best.rows if r.batch_size <= size) \
-        if best.variant.compile else preferred_sizes(rows, size)
-    return Choice(best.variant, size, preferred, {r.batch_size: r.median_ms for r in rows},
-                  reason)
-
-
-def eligible_choice(profile: Profile, allow_reduced_precision: bool = False
-                    ) -> tuple[Choice, str]:
-    """The profile's choice if its variant may still be chosen under today's rules, else
-    the choice made again from its tables, and a note saying why. A profile written
-    before answers were compared on real samples may have chosen reduced precision on
-    random inputs alone: a worker never serves that silently."""
-    chosen = next((m for m in profile.measured if m.variant == profile.choice.variant), None)
-    if chosen is None or chosen.eligible(allow_reduced_precision):
-        return profile.choice, ""
-    budget = profile.settings.get("latency_budget_ms")
-    try:
-        choice = choose(profile.measured, None if budget is None else float(budget),
-                        allow_reduced_precision=allow_reduced_precision)
-    except ValueError:  # only that variant was measured: the same, in full precision
-        full = dataclasses.replace(chosen.variant, autocast=None)
-        choice = dataclasses.replace(profile.choice, variant=full, latency_ms={},
-                                     reason=f"{profile.choice.reason}; full precision")
-    return choice, (f"the profile chose {chosen.variant.name} ({chosen.fidelity()}), which "
-                    f"may change answers: using {choice.variant.name}, max batch "
-                    f"{choice.max_batch_size} from its tables; `redbatch calibrate` checks "
-                    "every variant on real samples, and --allow-reduced-precision accepts it")
