@@ -13,8 +13,8 @@ import redis
 import torch
 from conftest import CAT_LABELS, SAMPLES, WorkerFactory
 from redbatch.common.protocol import Keys
-from redbatch.gpu_worker.tuning.calibrate import batch_sizes, between_sizes, stop_reason
 from redbatch.gpu_worker.tuning.profile import MIN_TOP1_AGREEMENT, Row, Variant, load_profile
+from redbatch.gpu_worker.tuning.sweep import batch_sizes, between_sizes, stop_reason
 from redbatch.gpu_worker.tuning.variants import (
     candidate_variants,
     cpu_has_native_bf16,

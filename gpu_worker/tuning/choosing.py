@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from redbatch.common.config import DEFAULT_MAX_WAIT_MS, Budget
-from redbatch.gpu_worker.tuning.latency import default_budget
+from redbatch.gpu_worker.tuning.latency import default_sizes
 from redbatch.gpu_worker.tuning.profile import Choice, Measured, Profile, Row
 
 #: Share of the peak throughput that the chosen max batch must reach.
@@ -24,25 +24,40 @@ PEAK_SHARE = 0.95
 #: A variant or a rounded-up batch size must be this much faster to be preferred over the
 #: plain one: smaller differences are within the noise of a shared machine.
 MEASURABLY_FASTER = 1.05
-def variant_budget(m: Measured, budget: Budget, max_wait_ms: float = DEFAULT_MAX_WAIT_MS
-                   ) -> tuple[float | None, str]:
-    """The budget for one variant's table, ms (None: no limit), and its words."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Bound:
+    """Which of a variant's rows its max batch may be chosen from: those within a p95
+    budget (ms), or among some sizes (the default budget, latency.py); no bound: all."""
+
+    p95_ms: float | None = None
+    sizes: frozenset[int] | None = None
+    #: The bound in words, for the choice's reason.
+    words: str = ""
+
+    def fits(self, row: Row) -> bool:
+        return (self.p95_ms is None or row.p95_ms <= self.p95_ms) and \
+            (self.sizes is None or row.batch_size in self.sizes)
+
+
+def variant_bound(m: Measured, budget: Budget, max_wait_ms: float = DEFAULT_MAX_WAIT_MS
+                  ) -> Bound:
+    """The bound ``budget`` puts on one variant's table."""
     if budget == "auto":
-        return default_budget(m.rows, max_wait_ms, padded=m.variant.compile)
-    return budget, "" if budget is None else f"p95 within {budget:g} ms"
+        sizes, words = default_sizes(m.rows, max_wait_ms, padded=m.variant.compile)
+        return Bound(sizes=sizes, words=words)
+    return Bound(budget, None, "" if budget is None else f"p95 within {budget:g} ms")
 
 
-def within_budget(rows: Sequence[Row], latency_budget_ms: float | None) -> list[Row]:
-    """Rows whose p95 batch latency fits the budget (all rows without a budget)."""
-    if latency_budget_ms is None:
-        return list(rows)
-    return [r for r in rows if r.p95_ms <= latency_budget_ms]
+def within_budget(rows: Sequence[Row], bound: Bound | float | None) -> list[Row]:
+    """Rows within the bound, or within a p95 budget in ms (all rows without either)."""
+    b = bound if isinstance(bound, Bound) else Bound(bound)
+    return [r for r in rows if b.fits(r)]
 
 
-def pick_max_batch(rows: Sequence[Row], latency_budget_ms: float | None = None,
+def pick_max_batch(rows: Sequence[Row], latency_budget_ms: Bound | float | None = None,
                    share: float = PEAK_SHARE) -> int:
     """The smallest batch size reaching ``share`` of the peak throughput among the sizes
-    whose p95 latency stays within ``latency_budget_ms``.
+    within the bound (or whose p95 latency stays within ``latency_budget_ms``).
 
     When no size fits the budget, the smallest size measured (the best that can be done).
     Raises ValueError for an empty table.
@@ -58,12 +73,11 @@ def pick_max_batch(rows: Sequence[Row], latency_budget_ms: float | None = None,
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Pick:
-    """The winning variant, its max batch and the budget that bounded it."""
+    """The winning variant, its max batch and the bound on it."""
 
     measured: Measured
     size: int
-    budget_ms: float | None
-    budget_words: str
+    bound: Bound
 
 
 def pick_variant(measured: Sequence[Measured], latency_budget_ms: Budget = None,
@@ -80,11 +94,11 @@ def pick_variant(measured: Sequence[Measured], latency_budget_ms: Budget = None,
     for m in measured:
         if not m.rows or not m.eligible(allow_reduced_precision):
             continue
-        budget, words = variant_budget(m, latency_budget_ms, max_wait_ms)
-        size = pick_max_batch(m.rows, budget, share)
+        bound = variant_bound(m, latency_budget_ms, max_wait_ms)
+        size = pick_max_batch(m.rows, bound, share)
         rate = next(r.images_per_s for r in m.rows if r.batch_size == size)
         if best is None or rate > best[1] * MEASURABLY_FASTER:
-            best = (Pick(m, size, budget, words), rate)
+            best = (Pick(m, size, bound), rate)
     if best is None:
         raise ValueError("no variant has measurements")
     return best[0]
@@ -110,9 +124,9 @@ def choose(measured: Sequence[Measured], latency_budget_ms: Budget = None,
                         max_wait_ms)
     best, size = pick.measured, pick.size
     rows = sorted([*best.rows, *extra_rows], key=lambda r: r.batch_size)
-    peak = max(within_budget(best.rows, pick.budget_ms) or best.rows,
+    peak = max(within_budget(best.rows, pick.bound) or best.rows,
                key=lambda r: r.images_per_s)
-    budget = f", {pick.budget_words}" if pick.budget_words else ""
+    budget = f", {pick.bound.words}" if pick.bound.words else ""
     reason = (f"smallest batch reaching {share:.0%} of the peak {peak.images_per_s:.1f} img/s "
               f"(batch {peak.batch_size}) of {best.variant.name}{budget}; "
               f"{best.fidelity()}" + ("" if best.faithful else
