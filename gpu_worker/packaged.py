@@ -55,7 +55,7 @@ Compiled = Callable[[torch.Tensor], torch.Tensor]
 def packaged(variant: Variant, device: torch.device) -> bool:
     """Whether ``variant`` is served from a package: compiled, in full precision, on CPU,
     with a torch that makes AOTInductor packages (2.6 and later)."""
-    return variant.compile and variant.autocast is None and device.type == "cpu" and \
+    return variant.compile and not variant.pads_batches(device.type) and \
         hasattr(torch._inductor, "aoti_compile_and_package")
 
 

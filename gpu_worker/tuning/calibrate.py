@@ -125,7 +125,8 @@ def calibrate(handler: Handler, model: Model, device: torch.device, spec: str, n
                               settings.allow_reduced_precision, report)
     allow, budget, wait = (settings.allow_reduced_precision, settings.latency_budget_ms,
                            settings.max_wait_ms)
-    choice = choose(measured, budget, allow_reduced_precision=allow, max_wait_ms=wait)
+    choice = choose(measured, budget, allow_reduced_precision=allow, max_wait_ms=wait,
+                    device_kind=device.type)
     # Sizes just below the powers of two, for the chosen variant only: may round up pay?
     extra = [s for s in between_sizes(choice.max_batch_size)
              if s not in {r.batch_size for m in measured for r in m.rows}]
@@ -133,7 +134,7 @@ def calibrate(handler: Handler, model: Model, device: torch.device, spec: str, n
                   for got in runs.time_size(s, [choice.variant]).values()
                   if isinstance(got, Row)]
     choice = choose(measured, budget, extra_rows=extra_rows, allow_reduced_precision=allow,
-                    max_wait_ms=wait)
+                    max_wait_ms=wait, device_kind=device.type)
     return Profile(model=name, model_spec=spec, fingerprint=fp, device=info,
                    torch_version=torch.__version__,
                    created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -39,11 +39,11 @@ class Bound:
             (self.sizes is None or row.batch_size in self.sizes)
 
 
-def variant_bound(m: Measured, budget: Budget, max_wait_ms: float = DEFAULT_MAX_WAIT_MS
-                  ) -> Bound:
+def variant_bound(m: Measured, budget: Budget, max_wait_ms: float = DEFAULT_MAX_WAIT_MS,
+                  device_kind: str = "cpu") -> Bound:
     """The bound ``budget`` puts on one variant's table."""
     if budget == "auto":
-        sizes, words = default_sizes(m.rows, max_wait_ms, padded=m.variant.compile)
+        sizes, words = default_sizes(m.rows, max_wait_ms, m.variant.pads_batches(device_kind))
         return Bound(sizes=sizes, words=words)
     return Bound(budget, None, "" if budget is None else f"p95 within {budget:g} ms")
 
@@ -82,7 +82,7 @@ class Pick:
 
 def pick_variant(measured: Sequence[Measured], latency_budget_ms: Budget = None,
                  share: float = PEAK_SHARE, allow_reduced_precision: bool = False,
-                 max_wait_ms: float = DEFAULT_MAX_WAIT_MS) -> Pick:
+                 max_wait_ms: float = DEFAULT_MAX_WAIT_MS, device_kind: str = "cpu") -> Pick:
     """The variant with the highest throughput at its own chosen max batch, and that size,
     among the eligible ones (:meth:`Measured.eligible`).
 
@@ -94,7 +94,7 @@ def pick_variant(measured: Sequence[Measured], latency_budget_ms: Budget = None,
     for m in measured:
         if not m.rows or not m.eligible(allow_reduced_precision):
             continue
-        bound = variant_bound(m, latency_budget_ms, max_wait_ms)
+        bound = variant_bound(m, latency_budget_ms, max_wait_ms, device_kind)
         size = pick_max_batch(m.rows, bound, share)
         rate = next(r.images_per_s for r in m.rows if r.batch_size == size)
         if best is None or rate > best[1] * MEASURABLY_FASTER:
@@ -116,12 +116,12 @@ def preferred_sizes(rows: Sequence[Row], max_batch_size: int) -> tuple[int, ...]
 def choose(measured: Sequence[Measured], latency_budget_ms: Budget = None,
            share: float = PEAK_SHARE, extra_rows: Sequence[Row] = (),
            allow_reduced_precision: bool = False,
-           max_wait_ms: float = DEFAULT_MAX_WAIT_MS) -> Choice:
+           max_wait_ms: float = DEFAULT_MAX_WAIT_MS, device_kind: str = "cpu") -> Choice:
     """The whole choice from the tables; ``extra_rows`` are in-between sizes (e.g. 7, 15)
     measured for the chosen variant after the sweep, used for preferred sizes. The reason
     says why: the budget, the fidelity of the chosen variant and the faster ones left out."""
     pick = pick_variant(measured, latency_budget_ms, share, allow_reduced_precision,
-                        max_wait_ms)
+                        max_wait_ms, device_kind)
     best, size = pick.measured, pick.size
     rows = sorted([*best.rows, *extra_rows], key=lambda r: r.batch_size)
     peak = max(within_budget(best.rows, pick.bound) or best.rows,
@@ -182,8 +182,9 @@ def _choose_again(profile: Profile, budget: Budget, allow: bool, max_wait_ms: fl
                   ) -> Choice:
     """choose() over the profile's tables, with its in-between sizes when the same
     variant wins (they were measured for that variant only)."""
+    kind = profile.device.kind
     choice = choose(profile.measured, budget, allow_reduced_precision=allow,
-                    max_wait_ms=max_wait_ms)
+                    max_wait_ms=max_wait_ms, device_kind=kind)
     if choice.variant != profile.choice.variant:
         return choice
     measured = {r.batch_size: r for m in profile.measured
@@ -192,7 +193,7 @@ def _choose_again(profile: Profile, budget: Budget, allow: bool, max_wait_ms: fl
     extra = [Row(s, ms, ms, 1, None, lanes) for s, ms in profile.choice.latency_ms.items()
              if s not in measured]
     return choose(profile.measured, budget, extra_rows=extra, allow_reduced_precision=allow,
-                  max_wait_ms=max_wait_ms)
+                  max_wait_ms=max_wait_ms, device_kind=kind)
 
 
 def _shown(budget: Budget) -> str:

@@ -15,11 +15,19 @@ set of sizes, not a p95 in ms: a p95 over a few runs can be one outlier (a first
 compiled run of 3.7 s was seen), and a size may pass while a smaller one does not (a
 compiled batch of 2 measured no faster than two batches of 1 here, while 4 was).
 
-The p99s come from a small queue simulation of the measured table, not a formula: a
-batch-1 server is an M/D/c queue (about 11 service times at 80% load with one lane),
-but a batching server's tail depends on the whole table, the max wait and the lanes.
-The arrivals are one fixed pseudo-random sequence, scaled to each rate, so a table
-always gives the same budget and two sizes are compared on the same arrivals.
+The p99s come from a small queue simulation, not a formula: a batch-1 server is an
+M/D/c queue (about 11 service times at 80% load with one lane), but a batching
+server's tail depends on the latency table, the max wait and the lanes. The arrivals
+are one fixed pseudo-random sequence, scaled to each rate, so a table always gives
+the same budget and two sizes are compared on the same arrivals.
+
+The simulation reads the table through a fitted line, latency = a + c x batch size:
+single sizes vary from calibration to calibration on a shared machine (a compiled
+EfficientNet's batch of 4 took 31.8, 47.2 and 33.8 ms in three runs here), and
+comparing raw rows flipped the budget between batch 1 and 4; the line pools every
+size, and gave sizes 1, 2 and 4 for all three. Models on CPUs follow a line closely
+(a few ms of fixed cost, then a cost per image); a GPU's flat start fits as a large a
+and a small c, which admits large batches, as it should.
 
 Pure: numpy and the profile's rows only.
 """
@@ -49,16 +57,33 @@ def _arrivals() -> np.ndarray:
     return np.cumsum(np.random.default_rng(SEED).exponential(1.0, ARRIVALS))
 
 
-def batch_latency(rows: Sequence[Row], padded: bool) -> np.ndarray:
-    """Milliseconds a batch of k jobs takes, indexed by k (0 unused), up to the largest
-    size measured: interpolated between measured sizes, or (``padded``: a compiled
-    model runs only the sizes it was compiled for) the next measured size's."""
+def fitted_line(rows: Sequence[Row]) -> tuple[float, float]:
+    """``(a, c)``: batch latency ~ a + c x size (ms), least squares on relative error
+    over every size measured, both terms at least 0. One size: flat."""
     sizes = np.array([r.batch_size for r in rows], dtype=float)
     ms = np.array([r.median_ms for r in rows])
+    if len(rows) < 2:
+        return float(ms[0]), 0.0
+    weight = 1.0 / ms
+    (a, c), *_ = np.linalg.lstsq(np.stack([weight, sizes * weight], axis=1),
+                                 np.ones_like(ms), rcond=None)
+    if c < 0:  # flatter than flat: a constant
+        return float(np.average(ms, weights=weight ** 2)), 0.0
+    if a < 0:  # through the origin
+        return 0.0, float(np.sum(sizes * weight ** 2 * ms) / np.sum((sizes * weight) ** 2))
+    return float(a), float(c)
+
+
+def batch_latency(rows: Sequence[Row], padded: bool) -> np.ndarray:
+    """Milliseconds a batch of k jobs takes by the fitted line, indexed by k (0 unused),
+    up to the largest size measured; ``padded`` (a compiled model runs only the sizes it
+    was compiled for): the next measured size's."""
+    a, c = fitted_line(rows)
+    sizes = np.array([r.batch_size for r in rows])
     ks = np.arange(int(sizes[-1]) + 1)
     if padded:
-        return ms[np.minimum(np.searchsorted(sizes, ks), len(ms) - 1)]
-    return np.asarray(np.interp(ks, sizes, ms), dtype=float)
+        ks = sizes[np.minimum(np.searchsorted(sizes, ks), len(sizes) - 1)]
+    return np.asarray(a + c * ks, dtype=float)
 
 
 def p99_at_load(latency_ms: np.ndarray, max_batch: int, max_wait_ms: float, lanes: int,

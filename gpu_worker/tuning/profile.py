@@ -48,6 +48,12 @@ class Variant:
     #: torch.compile (inductor, static shapes).
     compile: bool = False
 
+    def pads_batches(self, device_kind: str) -> bool:
+        """Whether every batch is padded to a size measured: compiled with torch.compile,
+        one graph per size. On CPU a full-precision compiled variant is served from an
+        AOTInductor package with a dynamic batch instead (gpu_worker/packaged.py)."""
+        return self.compile and not (device_kind == "cpu" and self.autocast is None)
+
     @property
     def name(self) -> str:
         short = {"float16": "fp16", "bfloat16": "bf16"}

@@ -1,21 +1,23 @@
 """Timing a model on its device: every variant, batch sizes 1, 2, 4, ... up to a cap.
 
 The runs go through the worker's own device path (ModelRunner: gather from a slot
-array, copy, forward, copy back, postprocess), without Redis or a pool, in two
-passes. The first scouts sizes in ascending order with a third of the runs: a
+array, copy, forward, copy back, postprocess), without Redis or a pool. Sizes go in
+ascending order; at each, the variants are timed run by run in turn, so a noisy
+neighbour slows all of them alike and the comparison between variants holds. A
 variant's sweep stops early when its throughput has clearly fallen, has stopped
 growing, its p95 latency is over a budget given in ms, or (CUDA) the next size would
-eat into the free-memory watermark. The second times every size kept, of every
-variant, run by run in turn, so a noisy neighbour or a slow minute slows all of them
-alike, and the comparisons the choice rests on, between variants and between sizes,
-hold (two calibrations here differed by 40% at one size when sizes ran one after
-another).
+eat into the free-memory watermark.
+
+Sizes are not interleaved with each other: a size run among others ran from cold
+caches (batch 1 of the compiled model took 29 ms instead of 14), which serving at
+a steady size does not. Between sizes, the tables vary from run to run on a shared
+machine (by 40% at one size between two calibrations here); the default latency
+budget reads them through a fitted line for that reason (latency.py).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -96,8 +98,7 @@ class _Sweep:
             return None
         return self.cpu_s / (self.wall_s * torch.get_num_threads() * self.at_once)
 
-    def time_size(self, size: int, active: list[Variant], runs: int | None = None
-                  ) -> dict[Variant, Row | str]:
+    def time_size(self, size: int, active: list[Variant]) -> dict[Variant, Row | str]:
         """A Row per variant, or the reason it cannot run this size (out of memory)."""
         ids = list(range(size))
         params: list[dict[str, object]] = [{}] * size
@@ -107,7 +108,7 @@ class _Sweep:
                 self._run(v, ids, params, failed)
         times: dict[Variant, list[float]] = {v: [] for v in active}
         peaks: dict[Variant, int] = {}
-        for _ in range(self.settings.runs if runs is None else runs):
+        for _ in range(self.settings.runs):
             for v in (v for v in active if v not in failed):
                 base = self._reset_peak()
                 start, cpu = time.perf_counter(), time.process_time()
@@ -122,29 +123,6 @@ class _Sweep:
                             len(ms), peaks[v] if self.device.type == "cuda" else None,
                             self.at_once)
         return failed
-
-    def time_interleaved(self, rows: dict[Variant, list[Row]]) -> dict[Variant, list[Row]]:
-        """Every (variant, size) of ``rows`` timed again, ``settings.runs`` times, one run
-        of each in turn: the rows with these medians and p95s (peak memory kept)."""
-        times: dict[tuple[Variant, int], list[float]] = {
-            (v, r.batch_size): [] for v, got in rows.items() for r in got}
-        failed: dict[Variant, Row | str] = {}
-        for _ in range(self.settings.runs):
-            for v, size in times:
-                start, cpu = time.perf_counter(), time.process_time()
-                self._run(v, list(range(size)), [{}] * size, failed)
-                times[v, size].append(time.perf_counter() - start)
-                self.wall_s += times[v, size][-1]
-                self.cpu_s += time.process_time() - cpu
-        out: dict[Variant, list[Row]] = {}
-        for v, got in rows.items():
-            if v in failed:  # out of memory now: the scouting rows stand
-                out[v] = got
-                continue
-            out[v] = [dataclasses.replace(r, median_ms=float(np.median(ms)),
-                                          p95_ms=float(np.percentile(ms, 95)), runs=len(ms))
-                      for r in got for ms in [np.asarray(times[v, r.batch_size]) * 1000]]
-        return out
 
     def outputs(self, variants: Sequence[Variant], size: int,
                 inputs: np.ndarray | None = None) -> dict[Variant, torch.Tensor]:
@@ -233,10 +211,8 @@ def stop_reason(rows: Sequence[Row], latency_budget_ms: Budget) -> str:
 def sweep(handler: Handler, model: Model, device: torch.device, variants: Sequence[Variant],
           cap: int, settings: CalibrationSettings,
           report: Callable[[str], None] = logger.info) -> tuple[list[Measured], _Sweep]:
-    """Measure every variant for sizes 1, 2, 4, ... up to ``cap``: scout the sizes in
-    order (a third of the runs), then time all that were kept in turn."""
+    """Measure every variant for sizes 1, 2, 4, ... up to ``cap``, interleaved."""
     runs = _Sweep(handler, model, device, variants, cap, settings)
-    scout_runs = max(1, settings.runs // 3)
     rows: dict[Variant, list[Row]] = {v: [] for v in variants}
     stopped: dict[Variant, str] = {}
     for size in batch_sizes(cap):
@@ -247,7 +223,7 @@ def sweep(handler: Handler, model: Model, device: torch.device, variants: Sequen
         active = [v for v in active if v not in stopped]
         if not active:
             break
-        for v, got in runs.time_size(size, active, scout_runs).items():
+        for v, got in runs.time_size(size, active).items():
             if isinstance(got, str):
                 stopped[v] = got
                 continue
@@ -256,6 +232,4 @@ def sweep(handler: Handler, model: Model, device: torch.device, variants: Sequen
                    f"{got.images_per_s:8.1f} img/s")
             if why := stop_reason(rows[v], settings.latency_budget_ms):
                 stopped[v] = why
-    report(f"timing every size kept, {settings.runs} runs each in turn")
-    rows = runs.time_interleaved(rows)
     return [Measured(v, tuple(rows[v]), stopped.get(v, f"cap {cap}")) for v in variants], runs
