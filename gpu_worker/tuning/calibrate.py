@@ -74,6 +74,8 @@ class CalibrationSettings:
     runs: int = 7
     #: Untimed runs per size first (lazy init, cuDNN benchmarking, compilation).
     warmup_runs: int = 2
+    #: Rounds over all the kept sizes after the first pass (sweep.in_rounds); 1: none.
+    rounds: int = 3
     #: Add torch.compile variants (CPU: 5-35 s of compilation per batch size with a cold
     #: cache, a few seconds with a warm one). None: on CPU when a C++ compiler is
     #: installed (inductor needs one), never on CUDA (there it needs Triton, and pays off
@@ -96,7 +98,7 @@ class CalibrationSettings:
     @classmethod
     def quick_settings(cls, max_batch: int | None) -> CalibrationSettings:
         """The worker's calibration when no profile exists: few runs, same rules."""
-        return cls(max_batch=max_batch, runs=3, warmup_runs=1, quick=True,
+        return cls(max_batch=max_batch, runs=3, warmup_runs=1, rounds=1, quick=True,
                    fidelity_samples=QUICK_FIDELITY_SAMPLES)
 
 

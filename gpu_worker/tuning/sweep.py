@@ -1,23 +1,24 @@
 """Timing a model on its device: every variant, batch sizes 1, 2, 4, ... up to a cap.
 
 The runs go through the worker's own device path (ModelRunner: gather from a slot
-array, copy, forward, copy back, postprocess), without Redis or a pool. Sizes go in
-ascending order; at each, the variants are timed run by run in turn, so a noisy
-neighbour slows all of them alike and the comparison between variants holds. A
-variant's sweep stops early when its throughput has clearly fallen, has stopped
-growing, its p95 latency is over a budget given in ms, or (CUDA) the next size would
-eat into the free-memory watermark.
+array, copy, forward, copy back, postprocess), without Redis or a pool, in two
+passes. The first scouts sizes in ascending order; at each, the variants are timed
+run by run in turn, so a noisy neighbour slows all of them alike and the comparison
+between variants holds. A variant's sweep stops early when its throughput has
+clearly fallen, has stopped growing, its p95 latency is over a budget given in ms,
+or (CUDA) the next size would eat into the free-memory watermark.
 
-Sizes are not interleaved with each other: a size run among others ran from cold
-caches (batch 1 of the compiled model took 29 ms instead of 14), which serving at
-a steady size does not. Between sizes, the tables vary from run to run on a shared
-machine (by 40% at one size between two calibrations here); the default latency
-budget reads them through a fitted line for that reason (latency.py).
+The second times the kept sizes again in rounds (in_rounds), so that the comparison
+between sizes holds too: sizes timed one after another differed by up to 48% at one
+size between calibrations here, as the machine's speed drifted over the minutes of a
+sweep. Each visit is a block, one untimed run then a few timed: single runs of each
+size in turn ran from cold caches (the compiled batch of 1 took 29 ms, not 14).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +44,10 @@ CLEARLY_FALLEN = 0.6
 #: ... or when three doublings in a row gained less than this factor each (on CPU the
 #: throughput may stay flat from 2 to 8 and still gain 10% by 16).
 PLATEAU_GAIN = 1.02
+#: Timed runs per size while scouting, when the sizes are timed again in rounds after.
+SCOUT_RUNS = 3
+#: Timed runs per size in each round.
+ROUND_RUNS = 2
 
 
 def batch_sizes(cap: int) -> list[int]:
@@ -98,17 +103,18 @@ class _Sweep:
             return None
         return self.cpu_s / (self.wall_s * torch.get_num_threads() * self.at_once)
 
-    def time_size(self, size: int, active: list[Variant]) -> dict[Variant, Row | str]:
+    def time_size(self, size: int, active: list[Variant], runs: int | None = None,
+                  warmup_runs: int | None = None) -> dict[Variant, Row | str]:
         """A Row per variant, or the reason it cannot run this size (out of memory)."""
         ids = list(range(size))
         params: list[dict[str, object]] = [{}] * size
         failed: dict[Variant, Row | str] = {}
         for v in active:
-            for _ in range(self.settings.warmup_runs):
+            for _ in range(self.settings.warmup_runs if warmup_runs is None else warmup_runs):
                 self._run(v, ids, params, failed)
         times: dict[Variant, list[float]] = {v: [] for v in active}
         peaks: dict[Variant, int] = {}
-        for _ in range(self.settings.runs):
+        for _ in range(self.settings.runs if runs is None else runs):
             for v in (v for v in active if v not in failed):
                 base = self._reset_peak()
                 start, cpu = time.perf_counter(), time.process_time()
@@ -211,8 +217,10 @@ def stop_reason(rows: Sequence[Row], latency_budget_ms: Budget) -> str:
 def sweep(handler: Handler, model: Model, device: torch.device, variants: Sequence[Variant],
           cap: int, settings: CalibrationSettings,
           report: Callable[[str], None] = logger.info) -> tuple[list[Measured], _Sweep]:
-    """Measure every variant for sizes 1, 2, 4, ... up to ``cap``, interleaved."""
+    """Measure every variant for sizes 1, 2, 4, ... up to ``cap``: scout the sizes in
+    order (variants interleaved), then time the kept ones again in rounds."""
     runs = _Sweep(handler, model, device, variants, cap, settings)
+    scout = min(SCOUT_RUNS, settings.runs) if settings.rounds > 1 else settings.runs
     rows: dict[Variant, list[Row]] = {v: [] for v in variants}
     stopped: dict[Variant, str] = {}
     for size in batch_sizes(cap):
@@ -223,7 +231,7 @@ def sweep(handler: Handler, model: Model, device: torch.device, variants: Sequen
         active = [v for v in active if v not in stopped]
         if not active:
             break
-        for v, got in runs.time_size(size, active).items():
+        for v, got in runs.time_size(size, active, scout).items():
             if isinstance(got, str):
                 stopped[v] = got
                 continue
@@ -232,4 +240,28 @@ def sweep(handler: Handler, model: Model, device: torch.device, variants: Sequen
                    f"{got.images_per_s:8.1f} img/s")
             if why := stop_reason(rows[v], settings.latency_budget_ms):
                 stopped[v] = why
+    if settings.rounds > 1:
+        report(f"timing the sizes kept again: {settings.rounds} rounds over all of them")
+        rows = in_rounds(runs, rows, settings.rounds)
     return [Measured(v, tuple(rows[v]), stopped.get(v, f"cap {cap}")) for v in variants], runs
+
+
+def in_rounds(runs: _Sweep, rows: dict[Variant, list[Row]], rounds: int
+              ) -> dict[Variant, list[Row]]:
+    """Every (variant, size) of ``rows`` timed again in ``rounds`` rounds over all the
+    sizes, a block at each (one untimed run, warming the caches, then ROUND_RUNS timed):
+    the rows with the median of the rounds' medians and the largest p95. A slow minute
+    then lands in one round of every size rather than in all runs of one."""
+    got: dict[tuple[Variant, int], list[Row]] = {}
+    sizes = sorted({r.batch_size for kept in rows.values() for r in kept})
+    for _ in range(rounds):
+        for size in sizes:
+            active = [v for v, kept in rows.items() if any(r.batch_size == size for r in kept)]
+            for v, row in runs.time_size(size, active, ROUND_RUNS, warmup_runs=1).items():
+                if isinstance(row, Row):
+                    got.setdefault((v, size), []).append(row)
+    return {v: [dataclasses.replace(
+                r, median_ms=float(np.median([x.median_ms for x in again])),
+                p95_ms=max(x.p95_ms for x in again), runs=sum(x.runs for x in again))
+                if (again := got.get((v, r.batch_size))) else r for r in kept]
+            for v, kept in rows.items()}
