@@ -28,7 +28,11 @@ if TYPE_CHECKING:
               help="Largest batch size tried [default: 64 on CPU, 512 on CUDA; the sweep "
                    "also stops at the free-memory watermark or when throughput falls].")
 @click.option("--runs", type=click.IntRange(min=1), default=7, show_default=True,
-              help="Timed runs per batch size and variant.")
+              help="Timed runs per batch size and variant in the first pass (at most 3 "
+                   "when rounds follow).")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Rounds over all the kept sizes after the first pass, 2 timed runs of each "
+                   "size a round (the tables' medians come from them); 1: none.")
 @click.option("--warmup-runs", type=click.IntRange(min=0), default=2, show_default=True,
               help="Untimed runs per batch size and variant first.")
 @click.option("--variant", "variants", multiple=True,
@@ -89,7 +93,7 @@ def _settings(options: dict[str, Any], lanes: int) -> CalibrationSettings:
 
     return CalibrationSettings(
         max_batch=options["max_batch"], latency_budget_ms=options["latency_budget_ms"],
-        runs=options["runs"], warmup_runs=options["warmup_runs"],
+        runs=options["runs"], warmup_runs=options["warmup_runs"], rounds=options["rounds"],
         try_compile=options["try_compile"], variants=tuple(options["variants"]),
         memory_watermark=options["memory_watermark"], lanes=lanes,
         allow_reduced_precision=options["allow_reduced_precision"])

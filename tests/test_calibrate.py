@@ -75,7 +75,7 @@ def test_sweep_stops_when_throughput_falls_plateaus_or_passes_the_budget() -> No
 def test_calibrate_writes_a_profile_and_prints_the_table(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     proc = calibrate("--max-batch-size", "4", "--runs", "2", "--warmup-runs", "1", "--no-compile",
-                     "--latency-budget-ms", "5000", "--out", str(out))
+                     "--rounds", "2", "--latency-budget-ms", "5000", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "choice:" in proc.stdout and f"profile written to {out}" in proc.stdout
     assert "channels_last" in proc.stdout and "median_ms" in proc.stdout
@@ -102,7 +102,8 @@ def test_calibrate_writes_a_profile_and_prints_the_table(tmp_path: Path) -> None
     for v in data["variants"]:
         sizes = [r["batch_size"] for r in v["rows"]]
         assert sizes == [1, 2, 4][:len(sizes)] and sizes[:1] == [1], "at least batch 1"
-        assert all(r["median_ms"] > 0 and r["p95_ms"] >= r["median_ms"] and r["runs"] == 2
+        # Two rounds over the sizes after the first pass, two timed runs each.
+        assert all(r["median_ms"] > 0 and r["p95_ms"] >= r["median_ms"] and r["runs"] == 4
                    for r in v["rows"])
     choice = data["choice"]
     assert 1 <= choice["max_batch_size"] <= 4
