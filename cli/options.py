@@ -156,8 +156,9 @@ def _budget(ctx: click.Context, param: click.Parameter, value: object) -> Budget
 LATENCY_BUDGET_MS = option(
     "--latency-budget-ms", env="LATENCY_BUDGET_MS", callback=_budget,
     default=default_of(TuneSettings, "latency_budget_ms"), metavar="auto|off|MS",
-    help="p95 latency one batch may take when calibrating: auto (the largest batch whose "
-         "p99 at 80% load is no worse than batch 1's), off (throughput alone), or ms.")
+    help="What bounds the max batch: auto (sizes whose p99 at 80% load is no worse than "
+         "batch 1's), off (throughput alone), or the p95 one batch may take, in ms. A worker "
+         "given it chooses again from its profile's tables.")
 
 
 def common_options(f: F) -> F:

@@ -270,8 +270,8 @@ class TuneSettings:
     calibrate: str = "auto"
     #: Profile directory; empty: $REDBATCH_PROFILE_DIR, else ~/.cache/redbatch/profiles.
     profile_dir: str = ""
-    #: p95 latency a batch may take, ms: "auto" (the largest batch whose p99 at 80% load is
-    #: no worse than batch 1's), or None: no limit. A profile is chosen under the budget
+    #: p95 latency a batch may take, ms: "auto" (the sizes whose p99 at 80% load is no
+    #: worse than batch 1's), or None: no limit. A profile is chosen under the budget
     #: it was calibrated with, unless this is given explicitly.
     latency_budget_ms: Budget = "auto"
     #: CUDA: share of device memory kept free; the batch limit drops before it is reached.

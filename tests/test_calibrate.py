@@ -128,7 +128,7 @@ def test_a_worker_loads_the_profile_and_uses_its_max_batch(
         tmp_path: Path) -> None:
     profiles = tmp_path / "profiles"
     proc = calibrate("--max-batch", "2", "--runs", "1", "--warmup-runs", "0", "--no-compile",
-                     env_dir=profiles)
+                     "--rounds", "1", env_dir=profiles)
     assert proc.returncode == 0, proc.stderr
     (path,) = profiles.glob("efficientnet_lite0--cpu-*.json")
     # A max batch no default or measurement would give: seen in the results, it can only
@@ -159,7 +159,7 @@ def test_a_compiled_profile_is_served_from_a_package_built_once(
         pytest.skip("this torch makes no AOTInductor packages")
     profiles = tmp_path / "compiled-profiles"
     proc = calibrate("--max-batch", "2", "--runs", "1", "--warmup-runs", "0", "--no-compile",
-                     "--variant", "channels_last", env_dir=profiles)
+                     "--rounds", "1", "--variant", "channels_last", env_dir=profiles)
     assert proc.returncode == 0, proc.stderr
     (path,) = profiles.glob("efficientnet_lite0--cpu-*.json")
     data = json.loads(path.read_text())

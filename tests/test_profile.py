@@ -215,7 +215,13 @@ def test_a_profile_that_chose_unchecked_reduced_precision_is_chosen_again() -> N
     assert old.choice.variant == bf16.variant
     choice, why = served_choice(old)
     assert choice.variant == Variant() and "may change answers" in why
-    assert served_choice(old, allow_reduced_precision=True) == (old.choice, "")
+    assert served_choice(old, allow_reduced_precision=True)[0] == old.choice
+    # Chosen faithful, served by a worker that allows reduced precision: bf16 wins then.
+    faithful = dataclasses.replace(old, choice=choice, settings={
+        **old.settings, "allow_reduced_precision": False})
+    assert served_choice(faithful) == (choice, "")
+    allowed, why = served_choice(faithful, allow_reduced_precision=True)
+    assert allowed.variant == bf16.variant and "reduced precision allowed" in why
 
 
 def test_a_worker_serves_the_latency_budget_it_asks_for() -> None:

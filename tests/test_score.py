@@ -588,7 +588,7 @@ def test_without_redis_the_private_worker_loads_this_machines_profile(tmp_path: 
     profiles = tmp_path / "profiles"
     made = subprocess.run([sys.executable, "-m", "redbatch.cli", "calibrate", "--device", "cpu",
                            "--max-batch", "2", "--runs", "1", "--warmup-runs", "0",
-                           "--no-compile", "--variant", "eager"],
+                           "--rounds", "1", "--no-compile", "--variant", "eager"],
                           env=_env(REDBATCH_PROFILE_DIR=str(profiles)), capture_output=True,
                           text=True, timeout=300)
     assert made.returncode == 0, made.stderr

@@ -151,17 +151,21 @@ def served_choice(profile: Profile, allow_reduced_precision: bool = False,
 
     The profile's choice stands when it was made under today's rules: its variant is
     still eligible (a profile written before answers were compared on real samples may
-    have chosen reduced precision on random inputs alone: never served silently), and
+    have chosen reduced precision on random inputs alone: never served silently), under
+    the same consent to reduced precision (a worker allowing it chooses among all), and
     under the latency budget the worker asks for: ``budget`` when ``budget_given``
     (a flag or variable), else the profile's own, or for a profile written before the
     default budget existed (throughput alone), ``budget``. Otherwise the choice is made
     again from the profile's tables (pure and quick: nothing is measured)."""
     chosen = next((m for m in profile.measured if m.variant == profile.choice.variant), None)
     lossy = chosen is not None and not chosen.eligible(allow_reduced_precision)
+    # Reduced precision allowed here but not when the profile was chosen: it may win now.
+    allowed_now = allow_reduced_precision and \
+        not profile.settings.get("allow_reduced_precision", False)
     stored = stored_budget(profile)
     before_budgets = "max_wait_ms" not in profile.settings
     wanted = budget if budget_given or before_budgets else stored
-    if not lossy and wanted == stored:
+    if not lossy and not allowed_now and wanted == stored:
         return profile.choice, ""
     try:
         choice = _choose_again(profile, wanted, allow_reduced_precision, max_wait_ms)
@@ -174,6 +178,9 @@ def served_choice(profile: Profile, allow_reduced_precision: bool = False,
         return choice, (f"the profile chose {chosen.variant.name} ({chosen.fidelity()}), "
                         f"which may change answers: {now}; `redbatch calibrate` checks every "
                         "variant on real samples, and --allow-reduced-precision accepts it")
+    if allowed_now and wanted == stored:
+        return choice, (f"reduced precision allowed (the profile was chosen faithful): {now} "
+                        f"({choice.reason})")
     return choice, (f"the profile was chosen with latency budget {_shown(stored)}, this "
                     f"worker's is {_shown(wanted)}: {now} ({choice.reason})")
 
