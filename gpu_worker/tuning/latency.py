@@ -134,6 +134,7 @@ def default_sizes(rows: Sequence[Row], max_wait_ms: float, padded: bool
              for r in rows}
     within = frozenset(s for s, tail in tails.items() if tail <= reference * WITHIN_NOISE)
     largest = max(within)
-    return within, (f"the default latency budget: batch sizes {sorted(within)} (p99 at "
-                    f"{LOAD:.0%} load: {tails[largest]:.0f} ms at {largest}, batch 1's "
-                    f"{reference:.0f} ms)")
+    ms = next(r.median_ms for r in rows if r.batch_size == largest)
+    return within, (f"the default latency budget: batch sizes {sorted(within)}, up to "
+                    f"{ms:.0f} ms a batch (p99 at {LOAD:.0%} load: {tails[largest]:.0f} ms at "
+                    f"{largest}, batch 1's {reference:.0f} ms)")
