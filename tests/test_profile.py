@@ -86,7 +86,7 @@ def test_choose_combines_the_rules_and_keeps_every_latency() -> None:
     fp16 = Measured(Variant(autocast="float16"), table({1: 8.0, 2: 9.0, 4: 11.0, 8: 30.0}),
                     top1_agreement=1.0, samples=256)
     between = table({3: 15.0, 7: 26.0})
-    c = choose([eager, fp16], extra_rows=between)
+    c = choose([eager, fp16], extra_rows={fp16.variant: between})
     # eager: 333 img/s at 8; fp16: 364 at 4 (8 slower): fp16 at 4 wins.
     assert c.variant == Variant(autocast="float16") and c.max_batch_size == 4
     assert c.latency_ms == {1: 8.0, 2: 9.0, 3: 15.0, 4: 11.0, 7: 26.0, 8: 30.0}
@@ -139,6 +139,15 @@ def test_another_schema_or_a_broken_file_is_refused(tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(ValueError):
         load_profile(path)
+    # Values the choice would divide by or misread: refused when read, never at serving.
+    rows = data["variants"][0]["rows"]
+    for broken in ({**data, "settings": {**data["settings"], "latency_budget_ms": "fast"}},
+                   {**data, "variants": [{**data["variants"][0],
+                                          "rows": [{**rows[0], "median_ms": 0}]}]},
+                   {**data, "variants": [{**data["variants"][0], "rows": rows[::-1]}]}):
+        path.write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match="malformed|latency budget"):
+            load_profile(path)
 
 
 def test_gpu_slug_has_no_thread_count_and_cpu_slug_has_lanes() -> None:

@@ -135,8 +135,8 @@ def calibrate(handler: Handler, model: Model, device: torch.device, spec: str, n
     extra_rows = [got for s in extra
                   for got in runs.time_size(s, [choice.variant]).values()
                   if isinstance(got, Row)]
-    choice = choose(measured, budget, extra_rows=extra_rows, allow_reduced_precision=allow,
-                    max_wait_ms=wait, device_kind=device.type)
+    choice = choose(measured, budget, extra_rows={choice.variant: extra_rows},
+                    allow_reduced_precision=allow, max_wait_ms=wait, device_kind=device.type)
     return Profile(model=name, model_spec=spec, fingerprint=fp, device=info,
                    torch_version=torch.__version__,
                    created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

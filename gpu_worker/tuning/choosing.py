@@ -13,17 +13,19 @@ Pure: no torch, no I/O, so the rules are unit-tested on synthetic tables.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from redbatch.common.config import DEFAULT_MAX_WAIT_MS, Budget
+from redbatch.common.config import DEFAULT_MAX_WAIT_MS, Budget, parse_latency_budget
 from redbatch.gpu_worker.tuning.latency import default_sizes
-from redbatch.gpu_worker.tuning.profile import Choice, Measured, Profile, Row
+from redbatch.gpu_worker.tuning.profile import Choice, Measured, Profile, Row, Variant
 
 #: Share of the peak throughput that the chosen max batch must reach.
 PEAK_SHARE = 0.95
 #: A variant or a rounded-up batch size must be this much faster to be preferred over the
 #: plain one: smaller differences are within the noise of a shared machine.
 MEASURABLY_FASTER = 1.05
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Bound:
     """Which of a variant's rows its max batch may be chosen from: those within a p95
@@ -114,16 +116,18 @@ def preferred_sizes(rows: Sequence[Row], max_batch_size: int) -> tuple[int, ...]
 
 
 def choose(measured: Sequence[Measured], latency_budget_ms: Budget = None,
-           share: float = PEAK_SHARE, extra_rows: Sequence[Row] = (),
+           share: float = PEAK_SHARE, extra_rows: Mapping[Variant, Sequence[Row]] | None = None,
            allow_reduced_precision: bool = False,
            max_wait_ms: float = DEFAULT_MAX_WAIT_MS, device_kind: str = "cpu") -> Choice:
     """The whole choice from the tables; ``extra_rows`` are in-between sizes (e.g. 7, 15)
-    measured for the chosen variant after the sweep, used for preferred sizes. The reason
-    says why: the budget, the fidelity of the chosen variant and the faster ones left out."""
+    measured for one variant after the sweep, used for preferred sizes when that variant
+    wins. The reason says why: the budget, the fidelity of the chosen variant and the
+    faster ones left out."""
     pick = pick_variant(measured, latency_budget_ms, share, allow_reduced_precision,
                         max_wait_ms, device_kind)
     best, size = pick.measured, pick.size
-    rows = sorted([*best.rows, *extra_rows], key=lambda r: r.batch_size)
+    extra = (extra_rows or {}).get(best.variant, ())
+    rows = sorted([*best.rows, *extra], key=lambda r: r.batch_size)
     peak = max(within_budget(best.rows, pick.bound) or best.rows,
                key=lambda r: r.images_per_s)
     budget = f", {pick.bound.words}" if pick.bound.words else ""
@@ -187,20 +191,17 @@ def served_choice(profile: Profile, allow_reduced_precision: bool = False,
 
 def _choose_again(profile: Profile, budget: Budget, allow: bool, max_wait_ms: float
                   ) -> Choice:
-    """choose() over the profile's tables, with its in-between sizes when the same
-    variant wins (they were measured for that variant only)."""
-    kind = profile.device.kind
-    choice = choose(profile.measured, budget, allow_reduced_precision=allow,
-                    max_wait_ms=max_wait_ms, device_kind=kind)
-    if choice.variant != profile.choice.variant:
-        return choice
+    """choose() over the profile's tables, with its in-between sizes for the variant they
+    were measured for (the profile's choice)."""
+    variant = profile.choice.variant
     measured = {r.batch_size: r for m in profile.measured
-                if m.variant == choice.variant for r in m.rows}
+                if m.variant == variant for r in m.rows}
     lanes = next(iter(measured.values())).batches_at_once if measured else 1
     extra = [Row(s, ms, ms, 1, None, lanes) for s, ms in profile.choice.latency_ms.items()
              if s not in measured]
-    return choose(profile.measured, budget, extra_rows=extra, allow_reduced_precision=allow,
-                  max_wait_ms=max_wait_ms, device_kind=kind)
+    return choose(profile.measured, budget, extra_rows={variant: extra},
+                  allow_reduced_precision=allow, max_wait_ms=max_wait_ms,
+                  device_kind=profile.device.kind)
 
 
 def _shown(budget: Budget) -> str:
@@ -208,6 +209,6 @@ def _shown(budget: Budget) -> str:
 
 
 def stored_budget(profile: Profile) -> Budget:
-    """The budget a profile was chosen with ("auto", ms, or None: no limit)."""
-    budget = profile.settings.get("latency_budget_ms")
-    return budget if budget is None or budget == "auto" else float(budget)
+    """The budget a profile was chosen with ("auto", ms, or None: no limit); a profile
+    file with another value is refused when read (Profile.from_dict)."""
+    return parse_latency_budget(str(profile.settings.get("latency_budget_ms")))

@@ -13,12 +13,15 @@ Pure: no torch, no I/O beyond reading and writing the file.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from redbatch.common.config import parse_latency_budget
 
 #: Version of the file layout; a file of another version is ignored (and re-measured).
 SCHEMA = 1
@@ -100,10 +103,16 @@ class Row:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Row:
+        """Raises ValueError for a size under 1 or a time that is not a positive number
+        (the latency simulation divides by them)."""
         peak = d.get("peak_memory_bytes")
-        return cls(int(d["batch_size"]), float(d["median_ms"]), float(d["p95_ms"]),
-                   int(d["runs"]), None if peak is None else int(peak),
-                   int(d.get("batches_at_once", 1)))
+        row = cls(int(d["batch_size"]), float(d["median_ms"]), float(d["p95_ms"]),
+                  int(d["runs"]), None if peak is None else int(peak),
+                  int(d.get("batches_at_once", 1)))
+        if row.batch_size < 1 or row.batches_at_once < 1 or \
+                not 0 < row.median_ms < math.inf or not 0 <= row.p95_ms < math.inf:
+            raise ValueError(f"malformed profile row {dict(d)}")
+        return row
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,8 +172,13 @@ class Measured:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Measured:
+        """Raises ValueError unless the rows' sizes ascend."""
         error, agreement = d.get("output_error"), d.get("top1_agreement")
-        return cls(Variant.from_dict(d), tuple(Row.from_dict(r) for r in d["rows"]),
+        rows = tuple(Row.from_dict(r) for r in d["rows"])
+        sizes = [r.batch_size for r in rows]
+        if sizes != sorted(set(sizes)):
+            raise ValueError("malformed profile: batch sizes not ascending")
+        return cls(Variant.from_dict(d), rows,
                    str(d.get("stopped", "")), None if error is None else float(error),
                    None if agreement is None else float(agreement), int(d.get("samples", 0)))
 
@@ -247,6 +261,8 @@ class Profile:
         if d.get("schema") != SCHEMA:
             raise ValueError(f"profile schema {d.get('schema')!r}, expected {SCHEMA}")
         try:
+            # The budget it was chosen with: a worker may choose again under it.
+            parse_latency_budget(str(d["settings"].get("latency_budget_ms")))
             dev = d["device"]
             return cls(str(d["model"]), str(d["model_spec"]), str(d["fingerprint"]),
                        DeviceInfo(str(dev["kind"]), str(dev["name"]), int(dev["torch_threads"]),

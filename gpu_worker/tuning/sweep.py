@@ -206,7 +206,7 @@ def stop_reason(rows: Sequence[Row], latency_budget_ms: Budget) -> str:
     fallen = len(rows) >= 3 and all(r.images_per_s < FALLEN_SHARE * best for r in rows[-2:])
     if fallen or last.images_per_s < CLEARLY_FALLEN * best:
         return f"throughput fell to {last.images_per_s / best:.0%} of its best"
-    if isinstance(latency_budget_ms, float) and last.p95_ms > latency_budget_ms:
+    if isinstance(latency_budget_ms, (int, float)) and last.p95_ms > latency_budget_ms:
         return f"p95 {last.p95_ms:.1f} ms over the {latency_budget_ms:g} ms budget"
     if len(rows) >= 4 and all(rows[i].images_per_s < PLATEAU_GAIN * rows[i - 1].images_per_s
                               for i in (-1, -2, -3)):
