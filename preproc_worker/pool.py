@@ -2,7 +2,7 @@
 
 The worker's main thread owns the pool: it calls ``submit_many``, ``complete``
 and ``reap``. A small pump thread only forwards finished records from the
-shared results queue to the callback given to ``start``, one list per message.
+processes' result pipes to the callback given to ``start``, one list per message.
 
 NOTE [ Pool crash handling ]
   Work crosses in chunks: one task-queue message carries a list of tasks, and a
@@ -21,6 +21,14 @@ NOTE [ Pool crash handling ]
   Only the task named in ``current`` when it died is charged with the crash;
   once a task has been charged more than ``crash_retries`` times it is answered
   ``preprocess_crashed`` instead.
+
+NOTE [ One result pipe per process ]
+  Each process answers through a pipe of its own, of which it holds the only write end.
+  A process killed mid-write (a segfault in a decoder, the OOM killer) then leaves at most
+  a torn message in its own pipe: the pump reads it as end of file and drops that pipe,
+  and ``reap`` resubmits what the process held. A queue shared by all processes cannot
+  survive that: its write lock, held by the dead process's feeder thread, is never
+  released, and every other process blocks on it for good.
 """
 
 from __future__ import annotations
@@ -28,8 +36,8 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing as mp
+import multiprocessing.connection
 import os
-import queue
 import statistics
 import threading
 import time
@@ -71,6 +79,7 @@ class _Child:
     process: Any  # multiprocessing.Process of the chosen context
     tasks: Any  # its own task queue
     current: Any  # shared int: key of the task being worked on, or IDLE
+    results: Any  # read end of its own result pipe (the pump's; see NOTE above)
     inflight: dict[int, PreprocTask] = field(default_factory=dict)
 
 
@@ -111,7 +120,6 @@ class PreprocPool:
         self._layout = layout
         self._ctx: Any = mp.get_context(settings.start_method)
         name_semaphores_after(layout.name)  # before the queues make theirs
-        self._results: Any = self._ctx.Queue()
         self._children: list[_Child] = []
         self._keys = count()
         # Two lines, each first in first out: interactive (urgent) tasks are dispatched before
@@ -122,6 +130,8 @@ class PreprocPool:
         self._strikes: dict[int, int] = {}  # task key -> crashes charged to it
         self._stop = threading.Event()
         self._pump: threading.Thread | None = None
+        self._retired: list[Any] = []  # pipes of replaced processes, for the pump to drain
+        self._draining: dict[Any, None] = {}  # the pump's pipes, in the order first seen
         self.restarts = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -139,20 +149,36 @@ class PreprocPool:
     def _spawn(self, index: int) -> _Child:
         cfg = ChildConfig(index, os.getpid(), self._layout, self._spec, self._limits)
         tasks, current = self._ctx.Queue(), self._ctx.Value("q", IDLE, lock=False)
-        proc = self._ctx.Process(target=run_child, args=(cfg, tasks, self._results, current),
+        reader, writer = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(target=run_child, args=(cfg, tasks, writer, current),
                                  name=f"redbatch-preproc-{index}", daemon=True)
         proc.start()
-        return _Child(index, proc, tasks, current)
+        writer.close()  # the process holds the only write end: its death is end of file
+        return _Child(index, proc, tasks, current, reader)
 
     def _pump_loop(self, on_records: Callable[[list[PreprocDone]], None]) -> None:
+        """Forward each message from any process's pipe. A pipe at end of file (its process
+        died, maybe mid-message) is closed and dropped; a replacement's pipe is picked up
+        from ``_children`` on the next pass."""
+        open_ = self._draining
         while not self._stop.is_set():
+            while self._retired:
+                open_[self._retired.pop()] = None
+            open_.update((c.results, None) for c in list(self._children))
+            for gone in [r for r in open_ if r.closed]:
+                del open_[gone]  # dropped at end of file below, before reap retired it
             try:
-                records = self._results.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            except (EOFError, OSError):
-                return  # queue closed at shutdown
-            on_records(records)
+                ready = multiprocessing.connection.wait(list(open_), timeout=0.2)
+            except (OSError, ValueError):
+                return  # a pipe closed under us: only close() does that
+            for ready_one in ready:
+                reader: Any = ready_one  # one of ours: a Connection
+                try:
+                    records = reader.recv()
+                except (EOFError, OSError):
+                    reader.close()
+                    continue
+                on_records(records)
 
     def close(self) -> None:
         """Stop the processes (sentinel, then terminate, then kill) and the pump."""
@@ -165,9 +191,10 @@ class PreprocPool:
             child.tasks.join_thread()
         if self._pump is not None:
             self._pump.join(timeout=_JOIN_TIMEOUT_S)
-        self._results.close()
+        for reader in [*self._draining, *self._retired, *(c.results for c in self._children)]:
+            reader.close()
+        self._draining, self._retired = {}, []
         # Dropping the queues lets their named semaphores be unlinked now, not at exit.
-        self._results = None
         self._children = []
 
     # ------------------------------------------------------------------ tasks
@@ -243,6 +270,7 @@ class PreprocPool:
                            child.process.name, child.process.exitcode)
             self.restarts += 1
             _discard_task_queue(child.tasks)  # its unread tasks are resubmitted below
+            self._retired.append(child.results)  # the pump reads what it sent, then drops it
             self._children[i] = self._spawn(child.index)
             given_up += self._resubmit(child)
         if self.restarts != restarts:

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
+from multiprocessing.connection import Connection
 from multiprocessing.queues import Queue
 from multiprocessing.sharedctypes import Synchronized
 from operator import attrgetter
@@ -155,9 +156,11 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
 
 def run_child(cfg: ChildConfig, tasks: Queue[list[PreprocTask] | None],
-              results: Queue[list[PreprocDone]], current: Synchronized[int]) -> None:
-    """Process entry point. ``current`` tells the parent which task is being worked on,
-    so that if this process dies only that task is suspected of killing it."""
+              results: Connection, current: Synchronized[int]) -> None:
+    """Process entry point. ``results`` is the write end of this process's own pipe (see
+    NOTE [ One result pipe per process ] in pool.py). ``current`` tells the parent which
+    task is being worked on, so that if this process dies only that task is suspected of
+    killing it."""
     # The worker decides when the pool stops: Ctrl-C in a terminal, or a
     # supervisor signalling the process group, must not kill pool processes
     # mid-task while the worker is still draining. If the worker dies, the
@@ -179,13 +182,14 @@ def run_child(cfg: ChildConfig, tasks: Queue[list[PreprocTask] | None],
             if chunk is None:
                 break
             _run_chunk(handler, slots, chunk, results, current)
-            heap.after_task()  # after the records are queued, so a trim never delays a reply
+            heap.after_task()  # after the records are sent, so a trim never delays a reply
     finally:
+        results.close()
         slots.close()
 
 
 def _run_chunk(handler: Any, slots: SlotArray, chunk: list[PreprocTask],
-               results: Queue[list[PreprocDone]], current: Synchronized[int]) -> None:
+               results: Connection, current: Synchronized[int]) -> None:
     """Preprocess a chunk, sending its records in one message, or in a few when it runs
     long (FLUSH_AFTER_S). See NOTE [ Pool crash handling ] in pool.py for ``current``."""
     done: list[PreprocDone] = []
@@ -197,8 +201,8 @@ def _run_chunk(handler: Any, slots: SlotArray, chunk: list[PreprocTask],
         if len(done) == 1:
             oldest = now
         elif now - oldest >= FLUSH_AFTER_S:
-            results.put(done)
+            results.send(done)
             done = []
     if done:
-        results.put(done)
+        results.send(done)
     current.value = IDLE

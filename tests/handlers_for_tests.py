@@ -13,10 +13,13 @@ from typing import Any
 
 import numpy as np
 from redbatch.common.config import LimitSettings
+from redbatch.common.protocol import ErrorCode
 from redbatch.handlers import EfficientNetLite0
+from redbatch.handlers.decode import InputError
 
 CRASH = b"CRASH"  # the preprocessing process dies on this payload
 SLOW = b"SLOW"  # preprocessing sleeps a second first, then fails as a bad image
+BULKY = b"BULKY"  # refused with a message far bigger than a pipe's buffer (1 MB)
 
 
 class Crashy(EfficientNetLite0):
@@ -24,6 +27,8 @@ class Crashy(EfficientNetLite0):
                    out: np.ndarray) -> None:
         if payload.startswith(CRASH):
             os._exit(13)
+        if payload.startswith(BULKY):
+            raise InputError(ErrorCode.BAD_INPUT, "x" * 1_000_000)
         if payload.startswith(SLOW):
             time.sleep(1.0)
         super().preprocess(payload, content_type, params, out)

@@ -7,13 +7,14 @@ import multiprocessing
 import os
 import queue
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from conftest import SAMPLES, shm_entries
-from handlers_for_tests import CRASH, SLOW
+from handlers_for_tests import BULKY, CRASH, SLOW
 from redbatch.common.config import LimitSettings, PoolSettings
 from redbatch.common.protocol import ErrorCode
 from redbatch.handlers import EfficientNetLite0, NullModel
@@ -34,8 +35,17 @@ class Running:
         settings = PoolSettings(processes=processes, crash_retries=crash_retries)
         self.pool = PreprocPool(SPEC, LimitSettings(), settings, self.slots.layout)
         self.messages: queue.Queue[list[PreprocDone]] = queue.Queue()
-        self.pool.start(on_records=self.messages.put)
+        self.pump_open = threading.Event()  # cleared: the pump stalls on its next message
+        self.pump_open.set()
+        self.pump_stalled = threading.Event()
+        self.pool.start(on_records=self._on_records)
         self.message_sizes: list[int] = []
+
+    def _on_records(self, records: list[PreprocDone]) -> None:
+        if not self.pump_open.is_set():
+            self.pump_stalled.set()
+        self.pump_open.wait()
+        self.messages.put(records)
 
     def collect(self, n: int, timeout_s: float = 60.0) -> dict[int, PreprocDone]:
         """Wait for n accepted records, reaping dead processes as the worker loop does."""
@@ -183,6 +193,39 @@ def test_a_crash_mid_chunk_charges_only_the_task_in_hand(one_process_no_retry: R
     assert done[keys[4]].error_code is ErrorCode.PREPROCESS_CRASHED
     assert all(done[k].error_code is None for k in keys[:4] + keys[5:])
     assert all(done[k].attempt == 1 for k in keys[5:]), "they were in the dead one's chunk"
+
+
+def test_a_process_killed_mid_write_takes_only_its_own_pipe_down(running: Running) -> None:
+    # The pump stalls on a first record, so a 1 MB record fills its process's pipe and the
+    # process blocks mid-message. It is killed there: the torn message must cost only that
+    # process's pipe, and the other process and the replacement must go on answering
+    # (through one shared queue, the dead writer's lock wedged the whole pool).
+    running.pump_open.clear()
+    first = running.pool.submit(0, b"not an image", "", {})
+    assert running.pump_stalled.wait(timeout=30)
+    bulky = running.pool.submit(1, BULKY, "", {})
+    child = _holding(running.pool, bulky)
+    time.sleep(0.3)  # long past the refusal: the process is in its send
+    os.kill(child, signal.SIGKILL)
+    good = [running.pool.submit(i, CAT, "", {}) for i in range(2, 6)]
+    running.pump_open.set()
+    done = running.collect(6)
+    assert running.pool.restarts == 1
+    assert done[first].error_code is ErrorCode.BAD_IMAGE
+    assert done[bulky].error_code is ErrorCode.BAD_INPUT and done[bulky].attempt == 1
+    assert len(done[bulky].message) == 1_000_000
+    assert all(done[k].error_code is None for k in good)
+
+
+def _holding(pool: PreprocPool, key: int, timeout_s: float = 30.0) -> int:
+    """The pid of the process working on task ``key`` (white box: its shared ``current``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for child in pool._children:
+            if child.current.value == key:
+                return int(child.process.pid)
+        time.sleep(0.01)
+    raise AssertionError(f"no process took task {key}")
 
 
 def test_urgent_tasks_lead_their_chunk(one_process: Running) -> None:

@@ -97,6 +97,7 @@ def test_names_carry_prefix_and_pid_and_the_pool_semaphores_follow(prefix: str) 
     slots = SlotArray.create(4, (3, 8, 8), "float32", prefix=prefix)
     pool = PreprocPool("null", LimitSettings(), PoolSettings(processes=1), slots.layout)
     try:
+        pool.start(on_records=lambda records: None)  # its process's task queue: semaphores
         name = slots.layout.name
         assert re.fullmatch(rf"{prefix}-{os.getpid()}-[0-9a-f]{{6}}", name)
         sems = entries(prefix) - {name}
