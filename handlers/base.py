@@ -6,8 +6,9 @@ once and ``postprocess`` after each batch.
 
 ``--model`` accepts:
 
-* a built-in name: ``efficientnet_lite0`` (the default), ``null`` (the mean colour of a
-  32x32 thumbnail: decoding, and nothing else) or ``null_tensor`` (the sum of four float32
+* a built-in name: ``efficientnet_lite0`` (the default), ``all_minilm_l6_v2`` (sentence
+  embeddings of UTF-8 texts, handlers/text.py), ``null`` (the mean colour of a 32x32
+  thumbnail: decoding, and nothing else) or ``null_tensor`` (the sum of four float32
   values: no decoding either);
 * a TorchScript file ``path/to/model.pt`` taking N x 3 x 224 x 224 float
   images (ImageNet mean/std) and returning N x classes logits;
@@ -27,6 +28,7 @@ import numpy as np
 from redbatch.common.config import LimitSettings
 from redbatch.handlers.imagenet import EfficientNetLite0, NullModel, TorchScriptClassifier
 from redbatch.handlers.tensors import NullTensorModel
+from redbatch.handlers.text import AllMiniLmL6V2
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +53,10 @@ class Handler(Protocol):
     (gpu_worker/tuning/profile.py MIN_TOP1_AGREEMENT). Without it, a reduced-precision
     variant is never chosen unless the operator allows it (``--allow-reduced-precision``).
     The image classifiers return the sample photos and crops of them (handlers/samples.py).
+
+    Optional: ``calibrates = False`` says that calibration cannot measure this model (it
+    times fixed-shape inputs, and a text batch's cost depends on its longest text): the
+    worker serves it without a profile, and ``redbatch calibrate`` refuses it in one line.
     """
 
     input_shape: tuple[int, ...]
@@ -73,9 +79,16 @@ def preprocesses_inline(handler: Handler) -> bool:
 
 BUILTIN: dict[str, Callable[[LimitSettings], Handler]] = {
     "efficientnet_lite0": EfficientNetLite0,
+    "all_minilm_l6_v2": AllMiniLmL6V2,
     "null": NullModel,
     "null_tensor": NullTensorModel,
 }
+
+
+def calibrates(handler: Handler) -> bool:
+    """Whether calibration can measure this handler's model (its optional ``calibrates``
+    attribute; True when absent)."""
+    return bool(getattr(handler, "calibrates", True))
 
 
 def load_handler(spec: str, limits: LimitSettings) -> Handler:

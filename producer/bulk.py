@@ -202,7 +202,15 @@ class BulkScorer:
         self._exhausted = len(fresh) < n
         return [Waiting(item) for item in fresh]
 
-    def _read(self, item: Item) -> bytes | None:
+    def _read(self, item: Item) -> bytes | str | None:
+        """The item's payload: its text, or its file's bytes; None (its error record
+        written) when the file cannot be read or either is over the payload limit."""
+        if item.text is not None:
+            if len(item.text.encode()) <= self.settings.max_payload_bytes:
+                return item.text
+            self._write_error(item, "payload_too_large",
+                              f"text is longer than {self.settings.max_payload_bytes} bytes")
+            return None
         try:
             with open(item.path, "rb") as f:
                 data = f.read(self.settings.max_payload_bytes + 1)

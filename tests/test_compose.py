@@ -147,7 +147,7 @@ def test_workers_can_be_scaled() -> None:
 
 def test_cpu_profile_is_the_worker_without_a_gpu() -> None:
     compose = load_compose()
-    assert redbatch_services(compose) == ["worker", "worker-cpu"]
+    assert redbatch_services(compose) == ["worker", "worker-cpu", "worker-text"]
     gpu, cpu = compose["services"]["worker"], compose["services"]["worker-cpu"]
     assert cpu["profiles"] == ["cpu"] and "profiles" not in gpu
     assert service_env(cpu).pop("REDBATCH_DEVICE") == "cpu"
@@ -156,6 +156,17 @@ def test_cpu_profile_is_the_worker_without_a_gpu() -> None:
     same = {k: v for k, v in gpu.items() if k != "deploy"}
     assert {k: v for k, v in cpu.items() if k != "profiles"} == {
         **same, "environment": {**same["environment"], "REDBATCH_DEVICE": "cpu"}}
+
+
+def test_text_profile_is_the_cpu_worker_serving_the_text_model() -> None:
+    services = load_compose()["services"]
+    cpu, text = services["worker-cpu"], services["worker-text"]
+    assert text["profiles"] == ["text"]
+    assert service_env(text)["REDBATCH_MODEL"] == "all_minilm_l6_v2"
+    assert {k: v for k, v in text.items() if k not in ("profiles", "environment")} == \
+        {k: v for k, v in cpu.items() if k not in ("profiles", "environment")}
+    same = {"REDBATCH_MODEL": ""}
+    assert {**service_env(text), **same} == {**service_env(cpu), **same}
 
 
 # ------------------------------------------------------------- the services, run locally
@@ -210,8 +221,8 @@ def profile_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def live_service(request: pytest.FixtureRequest, redis_url: str, profile_dir: Path,
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveService]:
     """A compose service's command run here as its container would run it, having served
-    one photo: the container's environment, except Redis (the test's), device (cpu), the
-    metrics port (a free one) and the calibration (see below)."""
+    one photo (a text, for the text model): the container's environment, except Redis (the
+    test's), device (cpu), the metrics port (a free one) and the calibration (see below)."""
     name = request.param
     service = load_compose()["services"][name]
     port = free_port()
@@ -231,9 +242,13 @@ def live_service(request: pytest.FixtureRequest, redis_url: str, profile_dir: Pa
     try:
         wait_worker_ready(redis_url, Keys(env["REDBATCH_MODEL"]), proc)
         wait_http_ok(f"http://127.0.0.1:{port}/readyz", proc)
+        text = env["REDBATCH_MODEL"] == "all_minilm_l6_v2"
         with Client(redis_url, model=env["REDBATCH_MODEL"]) as client:
-            result = client.predict((SAMPLES / "cat.jpg").read_bytes(), timeout_s=120)
-        assert result.ok and isinstance(result.output["label"], str), result
+            result = (client.predict("How do I reset my password?", timeout_s=120) if text
+                      else client.predict((SAMPLES / "cat.jpg").read_bytes(), timeout_s=120))
+        assert result.ok, result
+        assert len(result.output["embedding"]) == 384 if text \
+            else isinstance(result.output["label"], str), result
         yield LiveService(name, service, env, f"http://127.0.0.1:{port}/metrics", proc)
     except BaseException:
         print(log_path.read_text(errors="replace")[-5000:])
@@ -369,7 +384,7 @@ def test_workers_keep_profiles_and_compiled_packages_on_a_volume() -> None:
     assert "TORCHINDUCTOR_CACHE_DIR=/var/lib/redbatch/inductor" in env
     assert any("chown redbatch /var/lib/redbatch" in a for op, a in dockerfile() if op == "RUN")
     compose = load_compose()
-    for name in ("worker", "worker-cpu"):
+    for name in redbatch_services(compose):
         volumes = compose["services"][name]["volumes"]
         assert "redbatch-state:/var/lib/redbatch" in volumes, name
     assert "redbatch-state" in compose["volumes"]

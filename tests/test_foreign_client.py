@@ -17,6 +17,10 @@ import msgpack
 import pytest
 import redis
 from conftest import CAT_LABELS, SAMPLES, TEST_MODEL, WorkerFactory
+from redbatch.common.config import LimitSettings
+from redbatch.handlers.text import AllMiniLmL6V2
+from test_text_model import MODEL as TEXT_MODEL
+from test_text_model import embed
 
 NODE_DIR = Path(__file__).resolve().parent / "clients" / "node"
 STREAM = f"redbatch:{{{TEST_MODEL}}}:jobs:interactive"
@@ -59,6 +63,20 @@ def run_client(script: Path, *args: str, rc: int = 0) -> dict[str, Any]:
 def pending_count(r: redis.Redis) -> int:
     summary = r.xpending(STREAM, GROUP)
     return int(summary["pending"])
+
+
+def test_node_client_embeds_a_text(node_client: Path, redis_url: str, tmp_path: Path,
+                                   start_worker: WorkerFactory) -> None:
+    # The text model from the page alone: a .txt file's UTF-8 bytes as text/plain.
+    text = "The train to Edinburgh was delayed by forty minutes. Über 40 Minuten!"
+    (tmp_path / "query.txt").write_text(text, encoding="utf-8")
+    start_worker(model=TEXT_MODEL)
+    out = run_client(node_client, redis_url, str(tmp_path / "query.txt"), TEXT_MODEL)
+    assert out["status"] == "ok", out
+    vector = out["result"]["output"]["embedding"]
+    expected = embed(AllMiniLmL6V2(LimitSettings()), [text])[0].tolist()
+    assert len(vector) == len(expected) == 384
+    assert sum(a * b for a, b in zip(vector, expected, strict=True)) >= 0.999
 
 
 def test_node_client_classifies_cat(node_client: Path, redis_url: str, r: redis.Redis,

@@ -29,7 +29,7 @@ from redbatch.gpu_worker.tuning.profile import (
     profile_path,
     save_profile,
 )
-from redbatch.handlers.base import Handler
+from redbatch.handlers.base import Handler, calibrates
 
 if TYPE_CHECKING:
     import torch
@@ -229,6 +229,9 @@ def _with_profile(settings: Settings, handler: Handler,
     mode = settings.tune.calibrate
     if mode == "off":
         return Tuned(settings, notes=["calibration off: no profile, flags and defaults only"])
+    if not calibrates(handler):
+        return Tuned(settings, notes=["calibration: not for this model (its inputs vary in "
+                                      "shape), flags and defaults only"])
     name = model_name_from_spec(settings.model.spec)
     profile, why = find_profile(path, fp)
     if profile is not None and mode == "auto" and (why := worth_measuring_again(profile,

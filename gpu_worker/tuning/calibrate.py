@@ -43,7 +43,7 @@ from redbatch.gpu_worker.tuning.variants import (
     fingerprint,
     parse_variant,
 )
-from redbatch.handlers.base import Handler, load_handler
+from redbatch.handlers.base import Handler, calibrates, load_handler
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +159,9 @@ def calibrate_to_file(spec: str, device_spec: str, torch_threads: int,
     torch.set_num_threads(torch_threads)
     device = resolve_device(device_spec)
     handler = load_handler(spec, LimitSettings())
+    if not calibrates(handler):
+        raise ValueError(f"calibration cannot measure {spec!r}: its inputs vary in shape "
+                         "(workers serve it without a profile)")
     for name in settings.variants:
         parse_variant(name)  # refuse a typo before loading anything
     model = handler.load(device)

@@ -2,6 +2,7 @@
 // it does not read or import any of the project's Python code.
 //
 //   node submit.mjs REDIS_URL IMAGE_PATH [MODEL] [PREFIX]   submit one image, wait, print result
+//   node submit.mjs REDIS_URL TEXT.txt all_minilm_l6_v2      submit the file's text (UTF-8)
 //   node submit.mjs REDIS_URL --raw-garbage [MODEL] [PREFIX] submit a `job` that is not msgpack
 // Options, anywhere: --admit submits through the admission script, taken from PROTOCOL.md
 // itself, instead of a plain XADD; --rid=ID uses that request id instead of a fresh one;
@@ -46,7 +47,8 @@ const ridOption = ridOptionOf(options);
 const WAIT_MS = 60_000;        // give up after this long
 const BLPOP_SECONDS = 3;       // "a few seconds at a time"
 const CONTENT_TYPES = { '.jpg': 'image/jpeg', '.jpeg': 'image/jpeg', '.png': 'image/png',
-  '.webp': 'image/webp', '.gif': 'image/gif', '.bmp': 'image/bmp' };
+  '.webp': 'image/webp', '.gif': 'image/gif', '.bmp': 'image/bmp',
+  '.txt': 'text/plain; charset=utf-8' };                // a text: its UTF-8 bytes
 
 // Keys: every key of one model carries `{model}` as a Redis Cluster hash tag.
 const rid = ridOption ? ridOption.slice('--rid='.length)

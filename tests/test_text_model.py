@@ -1,0 +1,155 @@
+"""The text model (all_minilm_l6_v2): its encoder against the reference implementation,
+its limits, and a real worker serving real sentences through the whole pipeline.
+
+The reference is sentence-transformers reading the same files from the model's wheel (a
+test dependency only; workers never import it).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import WorkerFactory, settings_free_env
+from redbatch.common.config import LimitSettings
+from redbatch.common.protocol import ErrorCode
+from redbatch.handlers.base import load_handler
+from redbatch.handlers.decode import InputError
+from redbatch.handlers.text import MAX_TEXT_BYTES, MAX_TOKENS, AllMiniLmL6V2, model_dir
+from redbatch.producer.client import Client
+
+MODEL = "all_minilm_l6_v2"
+LONG = ("The committee reviewed the proposal in detail, weighing the benefits for residents "
+        "against the costs of maintenance and the impact on the wetlands. ") * 12
+SENTENCES = [*(Path(__file__).parent / "data" / "sentences.txt").read_text().splitlines(),
+             "", LONG]
+PARAPHRASES = [  # (a, its paraphrase, an unrelated sentence)
+    ("How do I reset my password?", "I forgot my login details and cannot sign in.",
+     "Bees communicate the location of flowers through a waggle dance."),
+    ("A man is eating food.", "Someone is having a meal.",
+     "Interest rates were left unchanged at the central bank's meeting."),
+    ("The train was delayed by forty minutes.", "My train arrived forty minutes late.",
+     "Add two cups of flour and a pinch of salt."),
+    ("The striker scored twice to win the final.", "Two goals from the forward won the cup.",
+     "The patient reported mild chest pain."),
+]
+
+
+@pytest.fixture(scope="module")
+def handler() -> AllMiniLmL6V2:
+    h = load_handler(MODEL, LimitSettings())
+    assert isinstance(h, AllMiniLmL6V2)
+    return h
+
+
+@pytest.fixture(scope="module")
+def reference() -> object:
+    st = pytest.importorskip("sentence_transformers")
+    return st.SentenceTransformer(str(model_dir()), device="cpu")
+
+
+def reference_vectors(reference: object, texts: Sequence[str]) -> torch.Tensor:
+    vectors = reference.encode(list(texts), normalize_embeddings=True)  # type: ignore[attr-defined]
+    return torch.as_tensor(np.asarray(vectors))
+
+
+def embed(handler: AllMiniLmL6V2, texts: Sequence[str]) -> torch.Tensor:
+    """What a worker computes: preprocess into slots, one batch through the loaded model."""
+    slots = np.empty((len(texts), *handler.input_shape), dtype=handler.input_dtype)
+    for text, slot in zip(texts, slots, strict=True):
+        handler.preprocess(text.encode(), "text/plain", {}, slot)
+    with torch.inference_mode():
+        return handler.load(torch.device("cpu"))(torch.from_numpy(slots))
+
+
+def test_embeddings_match_sentence_transformers_on_varied_real_sentences(
+        handler: AllMiniLmL6V2, reference: object) -> None:
+    # Everyday, literary, technical, non-Latin, emoji, one word, empty, and past 256 tokens,
+    # all in one batch: padded to its longest, each text's vector must not change.
+    assert len(SENTENCES) >= 50
+    mine, theirs = embed(handler, SENTENCES), reference_vectors(reference, SENTENCES)
+    cosines = (mine * theirs).sum(dim=1)
+    worst = int(cosines.argmin())
+    assert float(cosines[worst]) >= 0.999, SENTENCES[worst][:80]
+    assert torch.allclose(mine.norm(dim=1), torch.ones(len(SENTENCES)), atol=1e-5)
+
+
+def test_a_batch_gives_each_text_the_vector_it_gets_alone(handler: AllMiniLmL6V2) -> None:
+    texts = ["Yes.", LONG, "Call me Ishmael."]
+    together = embed(handler, texts)
+    for i, text in enumerate(texts):
+        assert float(embed(handler, [text])[0] @ together[i]) >= 0.9999
+
+
+def test_paraphrases_score_higher_than_unrelated_sentences(handler: AllMiniLmL6V2) -> None:
+    for a, same, other in PARAPHRASES:
+        v = embed(handler, [a, same, other])
+        assert float(v[0] @ v[1]) > float(v[0] @ v[2]) + 0.2, (a, same, other)
+
+
+def test_long_texts_are_cut_at_the_models_limit_and_bad_ones_refused(
+        handler: AllMiniLmL6V2) -> None:
+    out = np.empty(handler.input_shape, dtype=handler.input_dtype)
+    handler.preprocess(LONG.encode(), "", {}, out)
+    assert int(out[1].sum()) == MAX_TOKENS and out[0, MAX_TOKENS - 1] == 102  # [SEP] last
+    handler.preprocess(json.dumps("Call me Ishmael.").encode(), "application/json", {}, out)
+    assert int(out[1].sum()) == 8  # [CLS] call me is ##hma ##el . [SEP]
+    refused = {b"\xff\xfe not text": ErrorCode.BAD_INPUT,
+               b"x" * (MAX_TEXT_BYTES + 1): ErrorCode.PAYLOAD_TOO_LARGE}
+    for payload, code in refused.items():
+        with pytest.raises(InputError) as e:
+            handler.preprocess(payload, "text/plain", {}, out)
+        assert e.value.code is code
+    for payload in (b'["a", "b"]', b"{not json"):
+        with pytest.raises(InputError) as e:
+            handler.preprocess(payload, "application/json", {}, out)
+        assert e.value.code is ErrorCode.BAD_INPUT
+
+
+def test_a_worker_answers_texts_with_the_reference_vectors(
+        redis_url: str, start_worker: WorkerFactory, reference: object) -> None:
+    # Real pool processes tokenise into shared memory; the worker batches and encodes.
+    start_worker("--max-batch-size", "8", model=MODEL)
+    texts = SENTENCES[:24]
+    with Client(redis_url, model=MODEL) as client:
+        handles = [client.submit(text) for text in texts]
+        bad = client.submit(b"\xff\xfe", content_type="text/plain")
+        deadline = time.monotonic() + 120
+        results = [h.result(timeout_s=max(1.0, deadline - time.monotonic())) for h in handles]
+        refused = bad.result(timeout_s=60)
+    assert refused.error_code is ErrorCode.BAD_INPUT
+    got = torch.tensor([r.raise_for_error().output["embedding"] for r in results])
+    cosines = (got * reference_vectors(reference, texts)).sum(dim=1)
+    assert float(cosines.min()) >= 0.999
+
+
+def test_score_embeds_the_texts_of_txt_and_jsonl_manifests(
+        redis_url: str, start_worker: WorkerFactory, reference: object, tmp_path: Path) -> None:
+    # A .txt read with --texts (a text a line, blank lines skipped) and a .jsonl of
+    # {"id", "text"} rows, on the bulk lane, through `redbatch score`.
+    start_worker("--max-batch-size", "8", model=MODEL)
+    lines = SENTENCES[:30]
+    (tmp_path / "texts.txt").write_text("\n".join(lines[:20]) + "\n\n", encoding="utf-8")
+    rows = [{"id": f"row-{i}", "text": text} for i, text in enumerate(lines[20:])]
+    (tmp_path / "texts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows),
+                                          encoding="utf-8")
+    out = tmp_path / "vectors.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "redbatch.cli", "score", "--texts",
+                           str(tmp_path / "texts.txt"), str(tmp_path / "texts.jsonl"),
+                           "-o", str(out), "--redis", redis_url, "--model", MODEL],
+                          env=settings_free_env(), capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {rec["id"]: rec for rec in map(json.loads, out.read_text().splitlines())}
+    ids = [f"texts.txt:{n}" for n in range(1, 21)] + [r["id"] for r in rows]
+    assert sorted(records) == sorted(ids)
+    assert all(records[i]["status"] == "ok" for i in ids), records
+    got = torch.tensor([records[i]["output"]["embedding"] for i in ids])
+    assert float((got * reference_vectors(reference, lines)).sum(dim=1).min()) >= 0.999
