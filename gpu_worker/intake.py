@@ -67,6 +67,9 @@ class Job:
     preprocess_ms: float = 0.0
     ready_s: float = 0.0
     """When preprocessing finished and it joined the batcher."""
+    cost: int = 0
+    """What it costs the model (tokens, for a text model; 0 when its handler says nothing):
+    the batcher groups and bounds batches by it."""
 
     @property
     def request_id(self) -> str:

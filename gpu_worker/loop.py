@@ -219,9 +219,9 @@ class MainLoop:
         if self._inline is not None:
             inputs = [(j.slot, j.envelope.payload, j.envelope.content_type, j.envelope.params)
                       for j in jobs]
-            for job, (code, message, ms) in zip(
+            for job, (code, message, ms, cost) in zip(
                     jobs, preprocess_group(self._inline, self.slots, inputs), strict=True):
-                self._preprocessed(job, code, message, ms)
+                self._preprocessed(job, code, message, ms, cost)
             return
         tasks = [Task(j.slot, j.envelope.payload, j.envelope.content_type,
                       dict(j.envelope.params), urgent=not j.bulk) for j in jobs]
@@ -235,10 +235,11 @@ class MainLoop:
 
     def _finish_preprocessing(self, record: PreprocDone) -> None:
         self._preprocessed(self._pending.pop(record.key), record.error_code, record.message,
-                           record.preprocess_ms)
+                           record.preprocess_ms, record.cost)
 
-    def _preprocessed(self, job: Job, code: ErrorCode | None, message: str, ms: float) -> None:
-        job.preprocess_ms = ms
+    def _preprocessed(self, job: Job, code: ErrorCode | None, message: str, ms: float,
+                      cost: int) -> None:
+        job.preprocess_ms, job.cost = ms, cost
         if code is not None:
             self.outbox.add(self.writer.failed(job, code, message))
             return

@@ -38,7 +38,9 @@ class Handler(Protocol):
     """What a served model provides.
 
     ``preprocess`` writes one input into ``out`` (shape ``input_shape``, dtype
-    ``input_dtype``) and raises ``InputError`` for unusable payloads.
+    ``input_dtype``) and raises ``InputError`` for unusable payloads. It may return the
+    input's cost as an int (a text model: its tokens), which the worker batches by; None
+    says every input costs the same.
     ``load`` returns a callable from a batch tensor to an output tensor.
     ``postprocess`` turns the batch output into one msgpack-able value per request.
 
@@ -63,7 +65,7 @@ class Handler(Protocol):
     input_dtype: str
 
     def preprocess(self, payload: bytes, content_type: str, params: Mapping[str, Any],
-                   out: np.ndarray) -> None: ...
+                   out: np.ndarray) -> int | None: ...
 
     def load(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]: ...
 

@@ -108,12 +108,14 @@ class AllMiniLmL6V2:
         model_dir()  # not installed: the worker stops at start, with how to install it
 
     def preprocess(self, payload: bytes, content_type: str, params: Mapping[str, Any],
-                   out: np.ndarray) -> None:
-        """Token ids into ``out[0]``, ones over them into ``out[1]`` (the mask), zeros after."""
+                   out: np.ndarray) -> int:
+        """Token ids into ``out[0]``, ones over them into ``out[1]`` (the mask), zeros after;
+        returns how many tokens (the input's cost, which the batcher groups by)."""
         ids = tokenizer().encode(text_of(payload, content_type)).ids
         out[...] = 0
         out[0, :len(ids)] = ids
         out[1, :len(ids)] = 1
+        return len(ids)
 
     def load(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
         from redbatch.handlers.minilm import load_encoder

@@ -92,6 +92,9 @@ class PreprocDone:
     message: str = ""
     preprocess_ms: float = 0.0
     attempt: int = 0
+    #: What the input costs the model, as its handler's ``preprocess`` returned it (tokens,
+    #: for a text model), or 0: the batcher bounds a batch's padded cost with it.
+    cost: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,30 +109,34 @@ class ChildConfig:
 
 
 def _preprocess(handler: Any, out: Any, payload: bytes, content_type: str,
-                params: Mapping[str, Any]) -> tuple[ErrorCode | None, str, float]:
-    """Run the handler's preprocess into ``out``: (error code or None, message, wall ms)."""
+                params: Mapping[str, Any]) -> Outcome:
+    """Run the handler's preprocess into ``out``: (error code or None, message, wall ms,
+    cost: what preprocess returned when an int, else 0)."""
     start = time.perf_counter()
+    cost = 0
     try:
-        handler.preprocess(payload, content_type, params, out)
+        returned = handler.preprocess(payload, content_type, params, out)
         code, message = None, ""
+        cost = returned if isinstance(returned, int) else 0
     except InputError as e:
         code, message = e.code, e.message
     except Exception as e:  # a handler bug must not take the process down with it
         code, message = ErrorCode.BAD_INPUT, f"preprocess failed: {type(e).__name__}: {e}"
-    return code, message, (time.perf_counter() - start) * 1000
+    return code, message, (time.perf_counter() - start) * 1000, cost
 
 
 def preprocess_one(handler: Any, slots: SlotArray, task: PreprocTask) -> PreprocDone:
     """Run the handler's preprocess into the task's slot; bad input becomes an error record."""
-    code, message, ms = _preprocess(handler, slots.array[task.slot], task.payload,
-                                    task.content_type, task.params)
-    return PreprocDone(task.key, task.slot, code, message, ms, task.attempt)
+    code, message, ms, cost = _preprocess(handler, slots.array[task.slot], task.payload,
+                                          task.content_type, task.params)
+    return PreprocDone(task.key, task.slot, code, message, ms, task.attempt, cost)
 
 
 #: One input of ``preprocess_group``: slot, payload, content type, params.
 Inline = tuple[int, bytes, str, Mapping[str, Any]]
-#: One outcome of ``preprocess_group``: error code (None: the slot is filled), message, ms.
-Outcome = tuple[ErrorCode | None, str, float]
+#: One outcome of ``preprocess_group``: error code (None: the slot is filled), message, ms,
+#: cost (see ``PreprocDone.cost``).
+Outcome = tuple[ErrorCode | None, str, float, int]
 
 
 def preprocess_group(handler: Any, slots: SlotArray, inputs: Iterable[Inline]) -> list[Outcome]:

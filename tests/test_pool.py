@@ -258,11 +258,12 @@ def test_an_inline_group_writes_the_pools_pixels_and_error_records() -> None:
         outcomes = preprocess_group(handler, slots, inputs)
         assert len(outcomes) == 3
         expected = np.empty((3, 224, 224), np.float32)
-        for (slot, payload, _, _), (code, message, ms) in zip(inputs, outcomes, strict=True):
+        for (slot, payload, _, _), outcome in zip(inputs, outcomes, strict=True):
+            code, message, ms, cost = outcome
             if payload.startswith(b"not"):
                 assert code is ErrorCode.BAD_IMAGE and message
                 continue
-            assert code is None and ms > 0
+            assert code is None and ms > 0 and cost == 0  # an image says no cost
             handler.preprocess(payload, "", {}, expected)
             np.testing.assert_array_equal(slots.array[slot], expected)
     finally:

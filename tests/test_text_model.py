@@ -7,7 +7,9 @@ test dependency only; workers never import it).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import queue
 import subprocess
 import sys
 import time
@@ -23,6 +25,7 @@ from redbatch.common.protocol import ErrorCode
 from redbatch.handlers.base import load_handler
 from redbatch.handlers.decode import InputError
 from redbatch.handlers.text import MAX_TEXT_BYTES, MAX_TOKENS, AllMiniLmL6V2, model_dir
+from redbatch.preproc_worker.worker import PreprocDone
 from redbatch.producer.client import Client
 
 MODEL = "all_minilm_l6_v2"
@@ -153,3 +156,29 @@ def test_score_embeds_the_texts_of_txt_and_jsonl_manifests(
     assert all(records[i]["status"] == "ok" for i in ids), records
     got = torch.tensor([records[i]["output"]["embedding"] for i in ids])
     assert float((got * reference_vectors(reference, lines)).sum(dim=1).min()) >= 0.999
+
+
+def test_the_pool_reports_each_texts_tokens_as_its_cost() -> None:
+    # The cost crosses from the pool process in the record, beside the slot it filled.
+    from redbatch.common.config import PoolSettings
+    from redbatch.preproc_worker.pool import PreprocPool
+    from redbatch.preproc_worker.shm import SlotArray
+
+    texts = [b"Yes.", b"Call me Ishmael.", LONG.encode(), b"\xff"]
+    slots = SlotArray.create(4, (2, MAX_TOKENS), "int32")
+    pool = PreprocPool(MODEL, LimitSettings(), PoolSettings(processes=1), slots.layout)
+    messages: queue.Queue[list[PreprocDone]] = queue.Queue()
+    costs: dict[int, tuple[int, ErrorCode | None]] = {}
+    try:
+        pool.start(on_records=messages.put)
+        keys = [pool.submit(i, text, "text/plain", {}) for i, text in enumerate(texts)]
+        deadline = time.monotonic() + 60
+        while len(costs) < len(texts) and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):  # complete() sends the next tasks on
+                costs.update((r.key, (r.cost, r.error_code))
+                             for r in pool.complete(messages.get(timeout=0.1)))
+    finally:
+        pool.close()
+        slots.close()
+    assert [costs[k] for k in keys] == [(4, None), (8, None), (MAX_TOKENS, None),
+                                        (0, ErrorCode.BAD_INPUT)]
