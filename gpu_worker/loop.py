@@ -270,6 +270,7 @@ class MainLoop:
         n = len(event.batch)
         self.batch_sizes[n] += 1
         self.metrics.batch(n, event.inference_ms / 1000)
+        self.metrics.tokens([job.cost for job in event.batch])
         if all(o.error is None for o in event.outcomes):
             self.latency.observe(event.run_size or n, event.inference_ms / 1000)
         self.batcher.set_limit(self.runner.batch_limit)  # lowered when device memory is short

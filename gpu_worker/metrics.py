@@ -8,6 +8,8 @@ marked "sampled" are refreshed every 1-2 s; everything else is recorded as it ha
   redbatch_requests_total                lane, outcome      a result written
   redbatch_executions_total                                 a batch run
   redbatch_inferences_total                                 a batch run (+ its size)
+  redbatch_batch_tokens_total            kind               a batch of a model with costs
+                                                            (text: tokens): real, padded
   redbatch_dead_lettered_total                              an entry put in the DLQ
   redbatch_reclaimed_total                                  a job taken over
   histograms, seconds
@@ -168,6 +170,10 @@ class WorkerMetrics:
                                         "Requests run by the model, over all batches.").labels(m)
         self.inference_s = self._histogram("redbatch_inference_seconds", "Model run time of "
                                            "one batch, s.", LATENCY_BUCKETS_S).labels(m)
+        tokens = self._counter("redbatch_batch_tokens_total", "Tokens (inputs' costs) run "
+                               "by the model: real ones, and padded (rows x the longest); "
+                               "padded / real is the padding waste.", ("kind",))
+        self.real_tokens, self.padded_tokens = tokens.labels(m, "real"), tokens.labels(m, "padded")
         self.batch_size = self._histogram("redbatch_batch_size", "Requests per batch.",
                                           BATCH_SIZE_BUCKETS).labels(m)
         self.batch_fill = self._histogram("redbatch_batch_fill_ratio", "Batch size over the "
@@ -263,6 +269,12 @@ class WorkerMetrics:
         self.inference_s.observe(seconds)
         self.batch_size.observe(size)
         self.batch_fill.observe(size / self.max_batch_size)
+
+    def tokens(self, costs: Sequence[int]) -> None:
+        """The costs of one batch's inputs (tokens), which ran padded to the longest."""
+        if costs and max(costs) > 0:
+            self.real_tokens.inc(sum(costs))
+            self.padded_tokens.inc(len(costs) * max(costs))
 
     def reclaimed(self, n: int) -> None:
         if n:

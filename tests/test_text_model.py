@@ -10,9 +10,12 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
+import re
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -182,3 +185,25 @@ def test_the_pool_reports_each_texts_tokens_as_its_cost() -> None:
         slots.close()
     assert [costs[k] for k in keys] == [(4, None), (8, None), (MAX_TOKENS, None),
                                         (0, ErrorCode.BAD_INPUT)]
+
+
+def test_a_worker_counts_real_and_padded_tokens(
+        redis_url: str, start_worker: WorkerFactory, tmp_path: Path) -> None:
+    # Two texts in one batch, 4 and 8 tokens: 12 real, 16 padded (2 rows x 8).
+    port = _free_port()
+    start_worker("--max-batch-size", "2", "--max-wait-ms", "2000", "--metrics-port", str(port),
+                 model=MODEL)
+    with Client(redis_url, model=MODEL) as client:
+        handles = [client.submit(text) for text in ("Yes.", "Call me Ishmael.")]
+        assert all(h.result(timeout_s=60).batch_size == 2 for h in handles)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    counts = dict(re.findall(r'redbatch_batch_tokens_total\{kind="(\w+)",model="[^"]+"\} '
+                             r"([0-9.]+)", text))
+    assert counts == {"real": "12.0", "padded": "16.0"}, text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
