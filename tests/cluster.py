@@ -104,6 +104,10 @@ class LocalCluster:
                     node_id = line.split()[0]
                     if len(r.execute_command("CLUSTER", "REPLICAS", node_id)) < self.replicas:
                         return f"master {node_id} has no replica yet"
+                # CLUSTER SLOTS lists a replica (to clients) once it has synced.
+                for _, _, *serving in r.execute_command("CLUSTER", "SLOTS"):
+                    if len(serving) < 1 + self.replicas:
+                        return f"node {node.port}: a replica has not synced yet"
             except redis.RedisError as e:
                 return f"node {node.port}: {e}"
             finally:
