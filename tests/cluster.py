@@ -144,3 +144,21 @@ class LocalCluster:
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+def wait_replicated(primary: RedisServer, timeout_s: float = 10.0) -> None:
+    """Until every replica of ``primary`` has all it wrote (offsets equal): writes acknowledged
+    before this survive the primary's death."""
+    r = redis.Redis(port=primary.port, socket_timeout=1)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            info = r.info("replication")
+            replicas = [v for k, v in info.items() if k.startswith("slave")]
+            if replicas and all(int(v["offset"]) >= int(info["master_repl_offset"])
+                                for v in replicas):
+                return
+            time.sleep(0.05)
+    finally:
+        r.close()
+    raise RedisServerError(f"replicas of {primary.port} did not catch up in {timeout_s}s")
