@@ -85,11 +85,13 @@ def connect(url_or_settings: str | RedisSettings, *, blocking: bool = False) -> 
     if is_cluster_url(settings.url):
         nodes, options = _cluster_options(settings, blocking)
         try:  # this client reads the slot map at once, from the first node that answers
-            return cast(redis.Redis, redis.cluster.RedisCluster(
+            client = redis.cluster.RedisCluster(
                 startup_nodes=[redis.cluster.ClusterNode(h, p)  # type: ignore[no-untyped-call]
-                               for h, p in nodes], **options))
+                               for h, p in nodes], **options)
         except redis.exceptions.RedisClusterException as e:
             raise redis.ConnectionError(str(e)) from None
+        _unreachable_as_connection_error(client.nodes_manager)
+        return cast(redis.Redis, client)
     return redis.Redis.from_url(settings.url, **_options(settings, blocking))
 
 
@@ -100,8 +102,10 @@ def connect_async(url_or_settings: str | RedisSettings, *,
     settings = _settings(url_or_settings)
     if is_cluster_url(settings.url):
         nodes, options = _cluster_options(settings, blocking)
-        return cast(aioredis.Redis, aiocluster.RedisCluster(
-            startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in nodes], **options))
+        aclient = aiocluster.RedisCluster(
+            startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in nodes], **options)
+        _unreachable_as_connection_error(aclient.nodes_manager)
+        return cast(aioredis.Redis, aclient)
     return aioredis.Redis.from_url(settings.url, **_options(settings, blocking))
 
 
@@ -128,6 +132,42 @@ def refresh_slots(client: redis.Redis) -> None:
             client.nodes_manager.initialize()
         except (redis.RedisError, redis.exceptions.RedisClusterException):
             pass  # no node answers now: the next failure tries again
+
+
+class _NodesManager(redis.cluster.NodesManager):
+    """The cluster client's slot-map reader, raising ConnectionError where redis-py's
+    raises RedisClusterException, which is no RedisError: no node answers, the nodes
+    disagree, a slot is not served. Every caller handles a ConnectionError as Redis being
+    away (retry with back-off); the other RedisClusterExceptions are errors in the code
+    (cross-slot calls) and stay as they are."""
+
+    def initialize(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().initialize(*args, **kwargs)
+        except redis.exceptions.RedisClusterException as e:
+            raise redis.ConnectionError(str(e)) from None
+
+
+class _AsyncNodesManager(aiocluster.NodesManager):
+    """:class:`_NodesManager` of the asyncio client."""
+
+    __slots__ = ()
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().initialize(*args, **kwargs)
+        except redis.exceptions.RedisClusterException as e:
+            raise redis.ConnectionError(str(e)) from None
+
+
+def _unreachable_as_connection_error(nodes_manager: Any) -> None:
+    """Give a cluster client's slot-map reader the class that raises ConnectionError
+    (:class:`_NodesManager`): redis-py builds it inside the client, so its class is set
+    here, with nothing else of it changed."""
+    if isinstance(nodes_manager, aiocluster.NodesManager):
+        nodes_manager.__class__ = _AsyncNodesManager
+    else:
+        nodes_manager.__class__ = _NodesManager
 
 
 def _cluster_options(settings: RedisSettings,

@@ -104,6 +104,14 @@ def test_two_workers_answer_real_photos_and_status_sees_them(
         assert "Traceback" not in text and "failed" not in text, text[-3000:]
 
 
+async def _async_get(url: str) -> object:
+    client = connect_async(url)
+    try:
+        return await client.get("x")
+    finally:
+        await client.aclose()
+
+
 async def _async_predict(url: str) -> str:
     from redbatch.producer.client import AsyncClient
     async with AsyncClient(url) as client:
@@ -177,6 +185,45 @@ def test_acl_users_score_dlq_and_status_across_masters(
         assert status.returncode == 0, status.stderr
         models = {m["model"]: m for m in json.loads(status.stdout)["models"]}
         assert set(models) == {"null", idle} and models["null"]["workers_alive"] == 1
+
+
+def test_workers_wait_out_a_cluster_that_is_away(
+        cluster: LocalCluster, rc: redis.Redis, tmp_path: Path) -> None:
+    """Every node killed (no persistence: the data goes with them) and started again: the
+    running worker retries through it and serves again; one started while the cluster is
+    away waits for it instead of exiting; neither logs a traceback (the cluster client's
+    'cannot be connected' is a ConnectionError to the code, like a plain client's)."""
+    from redbatch.producer.client import Client
+    with spawned_workers(tmp_path) as start:
+        running, running_log = start(cluster.url, model="null")
+        probe = connect(cluster.url)
+        for node in cluster.nodes:
+            node.kill()
+        for _ in range(3):  # what the code catches as Redis being away, never another type
+            with pytest.raises(redis.ConnectionError):
+                probe.get("x")
+            with pytest.raises(redis.ConnectionError):
+                asyncio.run(_async_get(cluster.url))
+        probe.close()
+        late, late_log = start(cluster.url, model="null", ready=False)
+        deadline = time.monotonic() + 60
+        while "not reachable" not in late_log.read_text(errors="replace"):
+            assert time.monotonic() < deadline and late.poll() is None, late_log.read_text()
+            time.sleep(0.2)
+        for node in cluster.nodes:
+            node.start()
+        cluster.wait_ok(60)
+        with Client(cluster.url, model="null") as client:
+            results = client.results(client.submit_many([PHOTOS["cat.jpg"]] * 20,
+                                                        timeout_s=120), timeout_s=120)
+            assert all(r.ok for r in results), results[:3]
+            deadline = time.monotonic() + 20  # both beat again (the records went too)
+            while len(client.workers()) < 2 and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert len(client.workers()) == 2
+        assert running.poll() is None and late.poll() is None, "workers never exit"
+        for log in (running_log, late_log):
+            assert "Traceback" not in log.read_text(errors="replace"), log.read_text()[-3000:]
 
 
 def test_a_failover_under_load_loses_no_accepted_job(
