@@ -45,12 +45,17 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import redis
 from redbatch.common.config import DEFAULT_REDIS_URL
 from redbatch.common.protocol import Keys, Lane
+from redbatch.common.redis_io import is_cluster
+from redis.cluster import RedisCluster
 
 _ANY = "ANY0"
 """A valid request id, reply name and consumer name: the tail that becomes ``*``."""
 
 #: Keyless commands both roles send: redis-py's connection set-up, and script loading.
-CONNECTION = ("hello", "ping", "select", "script|load", "script|exists")
+#: The last three are what a Redis Cluster client reads on connecting: the slot map and the
+#: command table (where each command's keys are); a plain client never sends them.
+CONNECTION = ("hello", "ping", "select", "script|load", "script|exists", "cluster|slots",
+              "cluster|shards", "command")
 #: redis-py names itself with CLIENT SETINFO on connecting (it ignores a refusal); Redis
 #: 7.2 added the subcommand, and 7.0 refuses a rule that names it.
 SETINFO = "client|setinfo"
@@ -204,5 +209,8 @@ def apply(r: redis.Redis, user: AclUser) -> None:
     """Create or replace ``user`` on the server (ACL SETUSER); needs an admin connection.
     Raises redis-py's errors (NoPermissionError for a connection that is not admin)."""
     # acl_setuser cannot express a selector with several commands and keys.
-    r.execute_command(  # type: ignore[no-untyped-call]
-        "ACL", "SETUSER", user.name, *user.setuser_args())
+    args = ("ACL", "SETUSER", user.name, *user.setuser_args())
+    if is_cluster(r):  # each node of a cluster keeps its own users: masters and replicas
+        r.execute_command(*args, target_nodes=RedisCluster.ALL_NODES)  # type: ignore[no-untyped-call]
+    else:
+        r.execute_command(*args)  # type: ignore[no-untyped-call]

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar, Literal
-from urllib.parse import SplitResult, unquote_plus, urlsplit
+from urllib.parse import SplitResult, unquote_plus, urlsplit, urlunsplit
 
 from redbatch.common.protocol import DEFAULT_PREFIX, validate_name
 
@@ -27,7 +27,9 @@ DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_MAX_WAIT_MS = 5.0
 DEFAULT_MAX_INFLIGHT = 64
 DEFAULT_MAX_PAYLOAD_BYTES = 20 * 1024 * 1024
-REDIS_URL_SCHEMES = ("redis", "rediss", "unix")
+#: Schemes of a Redis URL; the ``+cluster`` ones name a Redis Cluster by its nodes.
+REDIS_URL_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 DEFAULT_SHM_PREFIX = "redbatch"
 
 
@@ -98,7 +100,8 @@ def check_redis_url(url: str) -> str:
     """``url`` if redis-py reads it as written, else ValueError whose message shows the
     URL redacted (:func:`redact_url`) and says how to fix it.
 
-    Refused: a scheme other than redis, rediss and unix; a port that is not a number;
+    Refused: a scheme other than redis, rediss, unix and the cluster ones (a list of
+    host:port nodes, database 0 only: :func:`cluster_nodes`); a port that is not a number;
     an '@' outside the userinfo, a fragment, or a query part that is not ``name=value``
     (a password holding a raw '/', '?', '#' or '&' splits the URL early, and redis-py
     would connect elsewhere with a piece of it, or quote that piece in its own error).
@@ -106,7 +109,10 @@ def check_redis_url(url: str) -> str:
     shown = redact_url(url)
     if not url.startswith(tuple(f"{scheme}://" for scheme in REDIS_URL_SCHEMES)):
         raise ValueError(f"unsupported Redis URL scheme in {shown}: use redis://, "
-                         "rediss:// (TLS) or unix://")
+                         "rediss:// (TLS), unix://, or redis+cluster:// (rediss+cluster://) "
+                         "for a Redis Cluster")
+    if is_cluster_url(url):
+        return _check_cluster_url(url, shown)
     try:
         parts = urlsplit(url)
         int(parts.port or 0)  # parsing the port raises ValueError for a non-number
@@ -114,6 +120,48 @@ def check_redis_url(url: str) -> str:
         raise ValueError(f"cannot read the Redis URL {shown}: {_URL_HINT}") from None
     if _misread(parts):
         raise ValueError(f"cannot read the Redis URL {shown}: {_URL_HINT}")
+    return url
+
+
+def is_cluster_url(url: str) -> bool:
+    """True for a ``redis+cluster://`` or ``rediss+cluster://`` URL."""
+    return url.startswith(tuple(f"{scheme}://" for scheme in CLUSTER_SCHEMES))
+
+
+def cluster_nodes(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """Of a cluster URL ``redis+cluster://[user:password@]host:port[,host:port...][/0][?...]``:
+    the plain URL of its first node (``redis://`` or ``rediss://``, with the credentials and
+    query: what every node is reached with), and every node's (host, port). ValueError for
+    a node list that is not host:port pairs (port 6379 when left out)."""
+    parts = urlsplit(url)
+    userinfo, at, hostlist = parts.netloc.rpartition("@")
+    nodes = []
+    for node in hostlist.split(","):
+        host, colon, port = node.strip().rpartition(":")
+        if not colon:
+            host, port = port, "6379"
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"not a host:port pair: {node!r}")
+        nodes.append((host.strip("[]"), int(port)))
+    scheme = parts.scheme.removesuffix("+cluster")
+    first = f"{userinfo}{at}{hostlist.split(',')[0].strip()}"
+    return urlunsplit((scheme, first, parts.path, parts.query, parts.fragment)), nodes
+
+
+def _check_cluster_url(url: str, shown: str) -> str:
+    """check_redis_url of a cluster URL: its nodes, and the first node's plain URL."""
+    try:
+        first, _ = cluster_nodes(url)
+        parts = urlsplit(first)
+    except ValueError:  # its text may quote a piece of the password: not kept
+        raise ValueError(f"cannot read the Redis Cluster URL {shown}: list its nodes as "
+                         f"host:port,host:port; {_URL_HINT}") from None
+    if _misread(parts):
+        raise ValueError(f"cannot read the Redis Cluster URL {shown}: {_URL_HINT}")
+    dbs = [value for name, _, value in (piece.partition("=") for piece in parts.query.split("&"))
+           if name == "db"]
+    if parts.path.strip("/") not in ("", "0") or any(db != "0" for db in dbs):
+        raise ValueError(f"a Redis Cluster has database 0 only: {shown}")
     return url
 
 

@@ -8,11 +8,14 @@ handle one exception type at the boundary.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import redis
 import redis.asyncio as aioredis
-from redbatch.common.config import RedisSettings
+import redis.asyncio.cluster as aiocluster
+import redis.cluster
+from redbatch.common.config import RedisSettings, cluster_nodes, is_cluster_url
+from redis.connection import SSLConnection, parse_url
 
 StreamEntry = tuple[bytes, dict[bytes, bytes]]
 """(entry id, fields) as read from a stream."""
@@ -28,12 +31,17 @@ class RedisRefused(Exception):
     by an ACL (NOPERM), or failing over. Retry with back-off; nothing is lost meanwhile."""
 
 
-REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
+#: Redis is out of reach: a connection dropped or timed out, or a cluster whose slot map
+#: cannot be read (no node answers, a slot no master serves, redirections without end).
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError,
+                redis.exceptions.SlotNotCoveredError)
 
 #: Error codes with which Redis refuses writes whatever the key: out of memory, a replica,
 #: an ACL, a failed background save (MISCONF), a failover or a cluster in trouble.
+#: MOVED and ASK: a cluster slot moved (a failover); the cluster client reads the slot map
+#: again on its next call.
 REFUSALS = frozenset({"OOM", "READONLY", "NOPERM", "MISCONF", "MASTERDOWN", "NOREPLICAS",
-                      "CLUSTERDOWN", "TRYAGAIN", "BUSY", "EXECABORT"})
+                      "CLUSTERDOWN", "TRYAGAIN", "BUSY", "EXECABORT", "MOVED", "ASK"})
 
 
 def error_code(e: BaseException) -> str:
@@ -47,6 +55,14 @@ def error_code(e: BaseException) -> str:
         return "READONLY"
     if isinstance(e, redis.exceptions.NoPermissionError):
         return "NOPERM"
+    if isinstance(e, redis.exceptions.MovedError):
+        return "MOVED"
+    if isinstance(e, redis.exceptions.AskError):
+        return "ASK"
+    if isinstance(e, redis.exceptions.ClusterDownError):
+        return "CLUSTERDOWN"
+    if isinstance(e, redis.exceptions.TryAgainError):
+        return "TRYAGAIN"
     return first if first.isupper() else "ERR"
 
 
@@ -58,16 +74,115 @@ def connect(url_or_settings: str | RedisSettings, *, blocking: bool = False) -> 
     except on a ``blocking=True`` client: one that issues BLOCK/BLPOP calls, whose
     socket timeout is left unset so a long block is not cut off mid-wait. A URL is taken
     as it is; :meth:`RedisSettings.from_dsn` is the one that validates it.
+
+    A cluster URL (``redis+cluster://host:port,host:port``) gives a
+    ``redis.cluster.RedisCluster`` started from those nodes, with the same timeouts. It
+    answers the same commands (all keys of a model share one slot), so it is typed as
+    ``redis.Redis``; the few callers that reach for a connection pool of their own ask
+    :func:`is_cluster` first.
     """
     settings = _settings(url_or_settings)
+    if is_cluster_url(settings.url):
+        nodes, options = _cluster_options(settings, blocking)
+        try:  # this client reads the slot map at once, from the first node that answers
+            client = redis.cluster.RedisCluster(
+                startup_nodes=[redis.cluster.ClusterNode(h, p)  # type: ignore[no-untyped-call]
+                               for h, p in nodes], **options)
+        except redis.exceptions.RedisClusterException as e:
+            raise redis.ConnectionError(str(e)) from None
+        _unreachable_as_connection_error(client.nodes_manager)
+        return cast(redis.Redis, client)
     return redis.Redis.from_url(settings.url, **_options(settings, blocking))
 
 
 def connect_async(url_or_settings: str | RedisSettings, *,
                   blocking: bool = False) -> aioredis.Redis:
-    """The asyncio twin of :func:`connect`, with the same timeouts."""
+    """The asyncio twin of :func:`connect`, with the same timeouts (a
+    ``redis.asyncio.cluster.RedisCluster`` for a cluster URL)."""
     settings = _settings(url_or_settings)
+    if is_cluster_url(settings.url):
+        nodes, options = _cluster_options(settings, blocking)
+        aclient = aiocluster.RedisCluster(
+            startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in nodes], **options)
+        _unreachable_as_connection_error(aclient.nodes_manager)
+        return cast(aioredis.Redis, aclient)
     return aioredis.Redis.from_url(settings.url, **_options(settings, blocking))
+
+
+def is_cluster(client: Any) -> bool:
+    """True for a client :func:`connect` or :func:`connect_async` built for a cluster."""
+    return isinstance(client, (redis.cluster.RedisCluster, aiocluster.RedisCluster))
+
+
+def node_client(client: redis.Redis, *args: Any) -> redis.Redis:
+    """The plain client that serves the command ``args``: ``client`` itself, or on a
+    cluster the client of the master owning the command's slot (by the slot map the
+    cluster client last read: :func:`refresh_slots` after a failure)."""
+    if not isinstance(client, redis.cluster.RedisCluster):
+        return client
+    node = client.nodes_manager.get_node_from_slot(client.determine_slot(*args))
+    return cast(redis.Redis, client.get_redis_connection(node))
+
+
+def refresh_slots(client: redis.Redis) -> None:
+    """On a cluster client, read the slot map again (after a node failed or answered
+    MOVED: a failover); best effort, nothing on a plain client."""
+    if isinstance(client, redis.cluster.RedisCluster):
+        try:
+            client.nodes_manager.initialize()
+        except (redis.RedisError, redis.exceptions.RedisClusterException):
+            pass  # no node answers now: the next failure tries again
+
+
+class _NodesManager(redis.cluster.NodesManager):
+    """The cluster client's slot-map reader, raising ConnectionError where redis-py's
+    raises RedisClusterException, which is no RedisError: no node answers, the nodes
+    disagree, a slot is not served. Every caller handles a ConnectionError as Redis being
+    away (retry with back-off); the other RedisClusterExceptions are errors in the code
+    (cross-slot calls) and stay as they are."""
+
+    def initialize(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().initialize(*args, **kwargs)
+        except redis.exceptions.RedisClusterException as e:
+            raise redis.ConnectionError(str(e)) from None
+
+
+class _AsyncNodesManager(aiocluster.NodesManager):
+    """:class:`_NodesManager` of the asyncio client."""
+
+    __slots__ = ()
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().initialize(*args, **kwargs)
+        except redis.exceptions.RedisClusterException as e:
+            raise redis.ConnectionError(str(e)) from None
+
+
+def _unreachable_as_connection_error(nodes_manager: Any) -> None:
+    """Give a cluster client's slot-map reader the class that raises ConnectionError
+    (:class:`_NodesManager`): redis-py builds it inside the client, so its class is set
+    here, with nothing else of it changed."""
+    if isinstance(nodes_manager, aiocluster.NodesManager):
+        nodes_manager.__class__ = _AsyncNodesManager
+    else:
+        nodes_manager.__class__ = _NodesManager
+
+
+def _cluster_options(settings: RedisSettings,
+                     blocking: bool) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    """The startup nodes of a cluster URL, and the keywords of its client: the first
+    node's URL options (credentials, TLS files) with the timeouts of :func:`_options`."""
+    first, nodes = cluster_nodes(settings.url)
+    options = parse_url(first)  # type: ignore[no-untyped-call]
+    for name in ("host", "port", "db"):
+        options.pop(name, None)
+    if options.pop("connection_class", None) is SSLConnection:
+        options["ssl"] = True
+    options.update(_options(settings, blocking))
+    del options["health_check_interval"]  # not a cluster client's option
+    return nodes, options
 
 
 def _settings(url_or_settings: str | RedisSettings) -> RedisSettings:

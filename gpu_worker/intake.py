@@ -321,15 +321,17 @@ _CANCEL = FIELD_CANCEL.encode()
 
 def _entries(reply: Any, **options: Any) -> list[tuple[str, StreamEntry]]:
     """An XREADGROUP reply as ``[(stream, (entry id, fields))]``, in order, under RESP2 (a
-    list of ``[stream, entries]``) and RESP3 (a map). An entry deleted while pending comes
+    list of ``[stream, entries]``) and RESP3 (a map), or as a cluster client's node has
+    parsed it already (fields as dicts). An entry deleted while pending comes
     with no fields: an empty dict, so that it can still be acknowledged."""
     if not reply:
         return []
     out: list[tuple[str, StreamEntry]] = []
     for stream, entries in (reply.items() if isinstance(reply, dict) else reply):
         name = stream.decode() if isinstance(stream, bytes) else stream
-        out += [(name, (entry_id, dict(zip(fields[::2], fields[1::2], strict=True))
-                        if fields else {}))
+        # A cluster client applies this after its node's own parsing: fields come as dicts.
+        out += [(name, (entry_id, fields if isinstance(fields, dict) else
+                        dict(zip(fields[::2], fields[1::2], strict=True)) if fields else {}))
                 for entry_id, fields in entries]
     return out
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import redis
 from redbatch import __version__
-from redbatch.common.config import BatchSettings, Settings
+from redbatch.common.config import BatchSettings, RedisSettings, Settings
 from redbatch.common.protocol import Keys
 from redbatch.common.redis_io import REDIS_ERRORS, Backoff, RedisUnavailable, connect, error_code
 from redbatch.gpu_worker import malloc_tuning
@@ -102,8 +102,9 @@ def build(s: Settings, latency: LatencyEstimator, metrics: WorkerMetrics, health
     runner = load_model(s, tuned, handler, slots, latency, metrics)
     stack.callback(runner.close)
     health.model_loaded = True
-    intake = Intake(connect(s.redis), Keys(s.model.served_name, s.redis.prefix), s.consumer,
-                    s.limits.max_payload_bytes, s.reclaim_idle_ms, s.max_deliveries)
+    intake = Intake(connect_waiting(s.redis, stop), Keys(s.model.served_name, s.redis.prefix),
+                    s.consumer, s.limits.max_payload_bytes, s.reclaim_idle_ms,
+                    s.max_deliveries)
     wait_for_redis(intake, health, stop)
     writer = ResultWriter(connect(s.redis), intake.keys, s.consumer, s.result_ttl_s)
     return Parts(s, tuned, capacity, batcher, slots, allocator, pool, runner, inline, intake,
@@ -169,6 +170,21 @@ def _log_ready(s: Settings, tuned: Tuned, runner: ModelRunner) -> None:
                     runner.depth, torch.get_num_threads(), os.cpu_count() or 1,
                     s.pool.processes, "channels_last" if s.model.channels_last else "NCHW",
                     malloc_tuning.describe())
+
+
+def connect_waiting(settings: RedisSettings, stop: threading.Event) -> redis.Redis:
+    """:func:`connect`, waiting out a cluster none of whose nodes answers yet (a cluster
+    client reads the slot map when it is made; a plain one connects on its first call).
+    Raises RedisUnavailable if ``stop`` is set while it waits."""
+    backoff = Backoff()
+    while True:
+        try:
+            return connect(settings)
+        except REDIS_ERRORS as e:
+            wait = backoff.next_wait_s()
+            logger.warning("Redis not reachable (%s); retrying in %.1fs", e, wait)
+            if stop.wait(wait):
+                raise RedisUnavailable("stopped while waiting for Redis") from e
 
 
 def wait_for_redis(intake: Intake, health: Health, stop: threading.Event) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import redis
 from hiredis import pack_command
+from redbatch.common.redis_io import is_cluster
 from redis.commands.core import CoreCommands
 
 
@@ -55,7 +56,12 @@ def _packed(commands: list[tuple[Any, ...]]) -> bytes:
 
 def exec_transaction(client: redis.Redis, commands: Commands) -> list[Any]:
     """Run ``commands`` in one MULTI/EXEC on a connection of ``client``'s pool; returns
-    EXEC's replies, in order. Raises as the module docstring says."""
+    EXEC's replies, in order. Raises as the module docstring says.
+
+    On a cluster (all the keys in one slot) the cluster client's own transaction runs them
+    on the master of that slot, following a slot that moved."""
+    if is_cluster(client):
+        return _cluster_transaction(client, commands)
     pool = client.connection_pool
     conn: Any = pool.get_connection()  # redis-py leaves the connection's methods untyped
     complete = False
@@ -81,3 +87,15 @@ def exec_transaction(client: redis.Redis, commands: Commands) -> list[Any]:
         if not complete:
             conn.disconnect()
         pool.release(conn)
+
+
+def _cluster_transaction(client: redis.Redis, commands: Commands) -> list[Any]:
+    """exec_transaction on a cluster client: the same replies and errors (a refusal at
+    queue time raises its ResponseError; single commands' errors are replies)."""
+    pipe = client.pipeline(transaction=True)
+    try:
+        for args in commands.args:
+            pipe.execute_command(*args)  # type: ignore[no-untyped-call]  # redis-py
+        return list(pipe.execute(raise_on_error=False))
+    finally:
+        pipe.reset()

@@ -15,6 +15,7 @@ from typing import Any, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
+from redbatch.common.redis_io import node_client, refresh_slots
 from redbatch.producer.calls import Command, Outcome, Pause, Pipelined, Receive, Script, Step, Steps
 
 T = TypeVar("T")
@@ -118,8 +119,13 @@ class BlockingRunner:
 
         Raises redis.TimeoutError when it is late, after dropping the connection so that a
         late reply never meets another command; other Redis errors as they come."""
-        pool = self.redis.connection_pool
-        conn = pool.get_connection()
+        try:
+            # On a cluster, the master of the command's slot.
+            pool = node_client(self.redis, *args).connection_pool
+            conn = pool.get_connection()
+        except redis.RedisError:
+            refresh_slots(self.redis)
+            raise
         try:
             # No health check: its PING would wait the socket timeout, past ``by``, on a
             # hung Redis; a dead connection fails this command, which the caller retries.
@@ -128,6 +134,9 @@ class BlockingRunner:
                 conn.disconnect()  # type: ignore[no-untyped-call]
                 raise redis.TimeoutError(f"no reply to {args[0]} in time")
             return conn.read_response()
+        except (redis.ConnectionError, redis.exceptions.AskError):  # MOVED: a failover
+            refresh_slots(self.redis)
+            raise
         finally:
             pool.release(conn)
 

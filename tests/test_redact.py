@@ -24,7 +24,13 @@ from hypothesis import strategies as st
 from redbatch.cli import main
 from redbatch.cli.local_stack import count_consumers
 from redbatch.cli.redis_server import RedisServer
-from redbatch.common.config import RedisSettings, check_redis_url, redact_url
+from redbatch.common.config import (
+    RedisSettings,
+    check_redis_url,
+    cluster_nodes,
+    is_cluster_url,
+    redact_url,
+)
 from redbatch.common.protocol import Keys
 from redbatch.producer.client import Client
 from redis.connection import parse_url
@@ -54,7 +60,10 @@ def url_forms(pw: str) -> list[str]:
             f"unix:///run/redis.sock?db=1&password={pw}&socket_timeout=5",
             f"unix://app@/run/redis.sock?PASSWORD={pw}",
             f"redis://redis-host:6379/0?db=0&password={pw}",
-            f"rediss://redis-host:6380/0?ssl_certfile=/c.pem&pass%77ord={pw}"]
+            f"rediss://redis-host:6380/0?ssl_certfile=/c.pem&pass%77ord={pw}",
+            f"redis+cluster://user:{pw}@node-a:7000,node-b:7001,node-c:7002",
+            f"rediss+cluster://:{pw}@node-a:7000,node-b:7001/0?ssl_ca_certs=/ca.pem",
+            f"redis+cluster://node-a:7000,node-b:7001?password={pw}"]
 
 
 PASSWORDS = ["Wq7vXz9Kplain", *(f"Wq7v{c}Xz9K" for c in RAW_CHARS), SECRET,
@@ -102,6 +111,30 @@ def test_a_password_redis_py_would_misread_is_refused(pw: str) -> None:
     assert "***" in str(e.value) and (len(pw) < 4 or not leaked(str(e.value), pw))
     encoded = f"redis://user:{quote(pw, safe='')}@redis-host:6379/0"
     assert check_redis_url(encoded) == encoded and parse_url(encoded)["password"] == pw
+
+
+def test_a_cluster_url_lists_its_nodes() -> None:
+    url = f"rediss+cluster://app:{quote(SECRET, safe='')}@node-a:7000, node-b:7001,[::1]:7002/0" \
+          "?ssl_ca_certs=/ca.pem"
+    assert check_redis_url(url) == url
+    first, nodes = cluster_nodes(url)
+    assert nodes == [("node-a", 7000), ("node-b", 7001), ("::1", 7002)]
+    assert parse_url(first)["password"] == SECRET and first.startswith("rediss://app:")
+    assert parse_url(first)["ssl_ca_certs"] == "/ca.pem"
+    assert cluster_nodes("redis+cluster://node-a")[1] == [("node-a", 6379)]
+    assert redact_url(url) == "rediss+cluster://app:***@node-a:7000, node-b:7001,[::1]:7002/0" \
+                              "?ssl_ca_certs=/ca.pem"
+    assert is_cluster_url(url) and not is_cluster_url("redis://node-a:7000/0")
+
+
+@pytest.mark.parametrize("url", [
+    "redis+cluster://node-a:7000,node-b:70x1", "redis+cluster://node-a:7000,,node-b:7001",
+    "redis+cluster://node-a:7000/1", "redis+cluster://node-a:7000?db=2",
+    f"redis+cluster://user:{SECRET}@node-a:7000,node-b:7001", "redis+clusters://node-a:7000"])
+def test_a_bad_cluster_url_is_refused_in_one_line(url: str) -> None:
+    with pytest.raises(ValueError) as e:
+        check_redis_url(url)
+    assert "\n" not in str(e.value) and not leaked(str(e.value), SECRET)
 
 
 _USERINFO_CHARS = st.characters(codec="ascii", categories=["L", "N", "P", "S", "Zs"],
