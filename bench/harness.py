@@ -265,14 +265,16 @@ _TUNING = re.compile(r"tuning: (.*)$")
 
 def start_worker(url: str, model_name: str, args: Sequence[str], log_name: str,
                  timeout_s: float = 900.0,
-                 on_spawn: Callable[[int], None] | None = None) -> StartedWorker:
+                 on_spawn: Callable[[int], None] | None = None,
+                 metrics_port: int = 0) -> StartedWorker:
     """Spawn ``redbatch worker --redis URL ARGS`` (log at INFO into bench/out/LOG_NAME, no
-    metrics port) and wait until it reads jobs; a first start may calibrate for minutes.
-    ``on_spawn(pid)`` is called as soon as the process exists."""
+    metrics port unless given) and wait until it reads jobs; a first start may calibrate
+    for minutes. ``on_spawn(pid)`` is called as soon as the process exists."""
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / log_name
     with open(path, "wb") as log:
-        proc = spawn_worker(url, [*args, "--metrics-port", "0", "--log-level", "INFO"],
+        proc = spawn_worker(url, [*args, "--metrics-port", str(metrics_port),
+                                  "--log-level", "INFO"],
                             stdout=log, stderr=subprocess.STDOUT)
     worker = StartedWorker(proc, path)
     if on_spawn is not None:
@@ -335,7 +337,7 @@ class Target(Protocol):
 class RedbatchTarget:
     """Jobs through redbatch's client (admission script), answered on one reply list."""
 
-    def __init__(self, url: str, model: str, payloads: Sequence[bytes], *,
+    def __init__(self, url: str, model: str, payloads: Sequence[bytes | str], *,
                  lane: Lane = Lane.INTERACTIVE, timeout_s: float | None = None) -> None:
         self.client = Client(url, model=model)
         self.keys = Keys(model)

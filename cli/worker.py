@@ -35,6 +35,11 @@ _batch_options = together(
     opt("--max-batch-size", env="MAX_BATCH_SIZE", type=click.IntRange(min=1),
         default=default_of(BatchSettings, "max_batch_size"),
         help="Largest batch given to the model."),
+    opt("--max-batch-tokens", env="MAX_BATCH_TOKENS", type=click.IntRange(min=0),
+        default=default_of(BatchSettings, "max_batch_tokens"),
+        help="A model whose inputs have a length (all_minilm_l6_v2: tokens): most padded "
+             "tokens a batch holds (rows x its longest), requests grouped by length; 0: "
+             "plain size batching, padded to the longest."),
     opt("--max-wait-ms", env="MAX_WAIT_MS", type=click.FloatRange(min=0),
         default=default_of(BatchSettings, "max_wait_ms"),
         help="Longest the oldest request waits for its batch to fill, ms."),
@@ -174,6 +179,7 @@ def build_settings(options: dict[str, Any]) -> Settings:
     return Settings(
         redis=RedisSettings.from_dsn(o.url_or_default(options), options["prefix"]),
         batch=BatchSettings(max_batch_size=options["max_batch_size"],
+                            max_batch_tokens=options["max_batch_tokens"],
                             max_wait_ms=options["max_wait_ms"],
                             max_inflight=max(options["max_inflight"], options["max_batch_size"]),
                             bulk_max_wait_ms=options["bulk_max_wait_ms"],

@@ -199,6 +199,10 @@ class BatchSettings:
     bulk_batch_ms: float = 25.0
     #: In-flight places bulk jobs may never take, so interactive jobs are read at once.
     interactive_reserve: int = 0
+    #: For a model whose inputs have a cost (the text model: tokens), most padded tokens a
+    #: batch may hold (rows x its longest input), and requests are grouped in length
+    #: buckets (gpu_worker/shaping.py); 0: plain size batching, padded to the longest.
+    max_batch_tokens: int = 4096
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -212,6 +216,8 @@ class BatchSettings:
                                min(self.max_batch_size, self.max_inflight - 1))
         if not 0 <= self.interactive_reserve < self.max_inflight:
             raise ValueError("interactive_reserve must be below max_inflight")
+        if self.max_batch_tokens < 0:
+            raise ValueError("max_batch_tokens must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

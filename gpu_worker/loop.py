@@ -56,6 +56,7 @@ from redbatch.gpu_worker.intake import Job
 from redbatch.gpu_worker.metrics import WorkerMetrics
 from redbatch.gpu_worker.outbox import Outbox
 from redbatch.gpu_worker.results import Answer
+from redbatch.gpu_worker.shaping import ShapedBatcher
 from redbatch.gpu_worker.startup import Parts
 from redbatch.preproc_worker.worker import PreprocDone, Task, preprocess_group
 
@@ -273,6 +274,9 @@ class MainLoop:
         self.metrics.tokens([job.cost for job in event.batch])
         if all(o.error is None for o in event.outcomes):
             self.latency.observe(event.run_size or n, event.inference_ms / 1000)
+            if isinstance(self.batcher, ShapedBatcher):  # time by rows and padded length
+                self.batcher.observe(n, self.batcher.padded_length(event.batch),
+                                     event.inference_ms / 1000)
         self.batcher.set_limit(self.runner.batch_limit)  # lowered when device memory is short
         self.outbox.extend(self.writer.ran(event.batch, event.outcomes, event.batch_wait_ms,
                                            event.inference_ms))

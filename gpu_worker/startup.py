@@ -28,8 +28,16 @@ from redbatch.gpu_worker.intake import Intake, Job
 from redbatch.gpu_worker.metrics import Health, WorkerMetrics
 from redbatch.gpu_worker.model import ModelRunner
 from redbatch.gpu_worker.results import ResultWriter
+from redbatch.gpu_worker.shaping import (
+    DEFAULT_SMALLEST_EDGE,
+    SERVING_EDGES_PER_OCTAVE,
+    ShapedBatcher,
+    ShapePolicy,
+    TokenLatencyEstimator,
+    octave_edges,
+)
 from redbatch.gpu_worker.tuning.apply import Tuned, warmup_sizes
-from redbatch.handlers.base import Handler, load_handler, preprocesses_inline
+from redbatch.handlers.base import Handler, load_handler, max_cost_of, preprocesses_inline
 from redbatch.preproc_worker.pool import PreprocPool
 from redbatch.preproc_worker.shm import SlotAllocator, SlotArray, sweep_orphans
 from redbatch.preproc_worker.worker import PreprocDone
@@ -38,13 +46,23 @@ logger = logging.getLogger(__name__)
 
 
 def batching(b: BatchSettings, latency: LatencyEstimator, preferred_sizes: tuple[int, ...] = (),
-             always_round_up: bool = False) -> tuple[Capacity, Batcher[Job]]:
+             always_round_up: bool = False,
+             max_cost: int | None = None) -> tuple[Capacity, Batcher[Job]]:
     """The in-flight places and the batcher for these batch settings; bulk jobs never take
-    the places kept for interactive ones (BatchSettings.interactive_reserve)."""
+    the places kept for interactive ones (BatchSettings.interactive_reserve). A model whose
+    inputs cost up to ``max_cost`` (its handler says so) gets length buckets and a token
+    budget (a ShapedBatcher) unless ``max_batch_tokens`` is 0."""
     capacity = Capacity(b.max_inflight, b.max_inflight - b.interactive_reserve)
     lanes = LanePolicy(bulk_max_wait_s=b.bulk_max_wait_ms / 1000, bulk_share=b.bulk_share,
                        bulk_starve_s=b.bulk_starve_ms / 1000,
                        bulk_batch_budget_s=b.bulk_batch_ms / 1000 if b.bulk_batch_ms else None)
+    if max_cost and b.max_batch_tokens:
+        edges = octave_edges(max_cost, min(DEFAULT_SMALLEST_EDGE, max_cost),
+                             SERVING_EDGES_PER_OCTAVE)
+        shaped: Batcher[Job] = ShapedBatcher(
+            b.max_batch_size, b.max_wait_ms / 1000, ShapePolicy(b.max_batch_tokens, edges),
+            TokenLatencyEstimator(), latency, lanes, preferred_sizes, always_round_up)
+        return capacity, shaped
     batcher: Batcher[Job] = Batcher(b.max_batch_size, b.max_wait_ms / 1000, latency, lanes,
                                     preferred_sizes, always_round_up)
     return capacity, batcher
@@ -61,7 +79,7 @@ def tune(s: Settings, handler: Handler,
     for note in tuned.notes:
         logger.info("tuning: %s", note)
     capacity, batcher = batching(tuned.settings.batch, latency, tuned.preferred_sizes,
-                                 tuned.always_round_up)
+                                 tuned.always_round_up, max_cost_of(handler))
     latency.seed(tuned.latency_s)
     return tuned, capacity, batcher
 

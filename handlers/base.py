@@ -40,7 +40,9 @@ class Handler(Protocol):
     ``preprocess`` writes one input into ``out`` (shape ``input_shape``, dtype
     ``input_dtype``) and raises ``InputError`` for unusable payloads. It may return the
     input's cost as an int (a text model: its tokens), which the worker batches by; None
-    says every input costs the same.
+    says every input costs the same. A handler whose inputs have costs says the largest in
+    ``max_cost``: the worker then groups them in length buckets under a token budget
+    (gpu_worker/shaping.py, ``--max-batch-tokens``).
     ``load`` returns a callable from a batch tensor to an output tensor.
     ``postprocess`` turns the batch output into one msgpack-able value per request.
 
@@ -85,6 +87,13 @@ BUILTIN: dict[str, Callable[[LimitSettings], Handler]] = {
     "null": NullModel,
     "null_tensor": NullTensorModel,
 }
+
+
+def max_cost_of(handler: Handler) -> int | None:
+    """The largest cost ``preprocess`` returns for this handler's inputs (its optional
+    ``max_cost``: the text model's 256 tokens), or None: its inputs all cost the same."""
+    cost = getattr(handler, "max_cost", None)
+    return cost if isinstance(cost, int) and cost > 0 else None
 
 
 def calibrates(handler: Handler) -> bool:

@@ -99,6 +99,9 @@ class AllMiniLmL6V2:
 
     input_shape: tuple[int, ...] = (2, MAX_TOKENS)
     input_dtype = "int32"
+    #: The longest input's cost (preprocess returns each one's tokens): the worker groups
+    #: texts by length under a token budget (gpu_worker/shaping.py).
+    max_cost = MAX_TOKENS
     #: Calibration measures fixed-shape inputs only; a text batch's cost depends on its
     #: longest text, so this model serves without a profile (gpu_worker/tuning/apply.py).
     calibrates = False

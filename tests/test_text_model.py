@@ -196,14 +196,38 @@ def test_a_worker_counts_real_and_padded_tokens(
     with Client(redis_url, model=MODEL) as client:
         handles = [client.submit(text) for text in ("Yes.", "Call me Ishmael.")]
         assert all(h.result(timeout_s=60).batch_size == 2 for h in handles)
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    counts = dict(re.findall(r'redbatch_batch_tokens_total\{kind="(\w+)",model="[^"]+"\} '
-                             r"([0-9.]+)", text))
-    assert counts == {"real": "12.0", "padded": "16.0"}, text
+    assert _token_counts(port) == {"real": 12.0, "padded": 16.0}
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("max_batch_tokens", [4096, 0])
+def test_a_worker_batches_texts_by_length_unless_told_not_to(
+        redis_url: str, start_worker: WorkerFactory, max_batch_tokens: int) -> None:
+    # Four short texts and four long ones arrive together. By length (the default), each
+    # group runs in a batch of its own and hardly any token is padding; plain size batching
+    # (--max-batch-tokens 0) runs all eight padded to the longest.
+    port = _free_port()
+    start_worker("--max-batch-size", "8", "--max-wait-ms", "300", "--max-batch-tokens",
+                 str(max_batch_tokens), "--metrics-port", str(port), model=MODEL)
+    short, long = ["Yes.", "Call me Ishmael.", "a", "lol idk"], [LONG[:900 + i] for i in range(4)]
+    with Client(redis_url, model=MODEL) as client:
+        handles = [client.submit(text) for text in short + long]
+        sizes = [h.result(timeout_s=120).raise_for_error().batch_size for h in handles]
+    counts = _token_counts(port)
+    waste = counts["padded"] / counts["real"]
+    if max_batch_tokens:
+        assert sizes == [4] * 8 and waste < 1.1, (sizes, counts)
+    else:
+        assert sizes == [8] * 8 and waste > 1.5, (sizes, counts)
+
+
+def _token_counts(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {kind: float(n) for kind, n in re.findall(
+        r'redbatch_batch_tokens_total\{kind="(\w+)",model="[^"]+"\} ([0-9.e+]+)', text)}
