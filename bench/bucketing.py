@@ -172,7 +172,7 @@ def report(modes: list[Mode]) -> None:
         rows.append([m.name, " ".join(m.args), round(m.capacity.throughput, 1),
                      round(m.waste, 3), round(m.latency.rate, 1), round(m.latency.achieved, 1),
                      round(lat["p50"], 1), round(lat["p99"], 1)])
-    path = write_csv("bucketing", ["mode", "worker_args", "capacity_per_s", "padding_waste",
+    path = write_csv("bucketing.csv", ["mode", "worker_args", "capacity_per_s", "padding_waste",
                                    "offered_per_s", "answered_per_s", "p50_ms", "p99_ms"], rows)
     plain, bucketed = modes[0], modes[1]
     assert plain.capacity and bucketed.capacity and plain.latency and bucketed.latency
