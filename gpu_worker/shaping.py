@@ -274,6 +274,12 @@ class ShapedBatcher(Batcher[T]):
         """The length the model runs ``batch`` at (``padded_length``)."""
         return padded_length(batch)
 
+    def seed(self, seconds_by_shape: Mapping[tuple[int, int], float]) -> None:
+        """Measured times by (rows, padded length), for a ``token_run_time`` that learns."""
+        start = getattr(self.token_run_time, "seed", None)
+        if start is not None:
+            start(seconds_by_shape)
+
     def observe(self, rows: int, length: int, seconds: float) -> None:
         """A batch's measured run time, for a ``token_run_time`` that learns (a
         TokenLatencyEstimator); the worker calls it after each run."""

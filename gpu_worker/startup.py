@@ -119,6 +119,8 @@ def build(s: Settings, latency: LatencyEstimator, metrics: WorkerMetrics, health
     slots, allocator, pool = start_pool(s, handler, on_records, stack)
     runner = load_model(s, tuned, handler, slots, latency, metrics)
     stack.callback(runner.close)
+    if isinstance(batcher, ShapedBatcher) and s.tune.calibrate != "off":
+        seed_shapes(batcher, handler, runner, slots)
     health.model_loaded = True
     intake = Intake(connect_waiting(s.redis, stop), Keys(s.model.served_name, s.redis.prefix),
                     s.consumer, s.limits.max_payload_bytes, s.reclaim_idle_ms,
@@ -172,6 +174,25 @@ def load_model(s: Settings, tuned: Tuned, handler: Handler, slots: SlotArray,
                     s.batch.max_inflight)
     _log_ready(s, tuned, runner)
     return runner
+
+
+def seed_shapes(batcher: ShapedBatcher[Job], handler: Handler, runner: ModelRunner,
+                slots: SlotArray) -> None:
+    """Time a few (rows, padded length) shapes on the model and start the batcher's run-time
+    line from them (gpu_worker/tuning/shapes.py), before any job is read."""
+    from redbatch.gpu_worker.tuning.shapes import can_measure, measure_shapes, shape_grid
+
+    if not can_measure(handler):
+        return
+    grid = shape_grid(batcher.max_batch_size, batcher.shape.edges[-1],
+                      batcher.shape.max_batch_tokens)
+    seconds = measure_shapes(handler, runner, slots.array, grid)
+    batcher.seed(seconds)
+    a, b = batcher.token_run_time(0, 0), batcher.token_run_time(1, 1000) - \
+        batcher.token_run_time(0, 0)
+    logger.info("tuning: %d text batch shapes timed (rows x length up to %s): a batch takes "
+                "about %.1f ms + %.1f ms per 1000 padded tokens", len(seconds),
+                max(r * n for r, n in grid), a * 1000, b * 1000)
 
 
 def _log_ready(s: Settings, tuned: Tuned, runner: ModelRunner) -> None:

@@ -120,6 +120,11 @@ class AllMiniLmL6V2:
         out[1, :len(ids)] = 1
         return len(ids)
 
+    def sample_input(self, cost: int) -> bytes:
+        """A text of ``cost`` tokens, its [CLS] and [SEP] included: for timing batch shapes
+        (gpu_worker/tuning/shapes.py)."""
+        return " ".join(["word"] * max(0, min(cost, MAX_TOKENS) - 2)).encode()
+
     def load(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
         from redbatch.handlers.minilm import load_encoder
 

@@ -25,6 +25,7 @@ import torch
 from conftest import WorkerFactory, settings_free_env
 from redbatch.common.config import LimitSettings
 from redbatch.common.protocol import ErrorCode
+from redbatch.gpu_worker.tuning.shapes import shape_grid
 from redbatch.handlers.base import load_handler
 from redbatch.handlers.decode import InputError
 from redbatch.handlers.text import MAX_TEXT_BYTES, MAX_TOKENS, AllMiniLmL6V2, model_dir
@@ -231,3 +232,24 @@ def _token_counts(port: int) -> dict[str, float]:
         text = resp.read().decode()
     return {kind: float(n) for kind, n in re.findall(
         r'redbatch_batch_tokens_total\{kind="(\w+)",model="[^"]+"\} ([0-9.e+]+)', text)}
+
+
+def test_shapes_timed_at_start_stay_within_the_token_budget() -> None:
+    assert shape_grid(32, 256, 4096) == [(1, 16), (1, 64), (1, 256), (8, 16), (8, 64),
+                                         (8, 256), (32, 16), (32, 64)]
+    assert shape_grid(1, 256, 100) == [(1, 16), (1, 64), (1, 256)]  # one row always runs
+
+
+def test_a_calibrating_worker_times_text_shapes_and_serves(
+        redis_url: str, start_worker: WorkerFactory, tmp_path: Path) -> None:
+    # --calibrate auto: no profile for a text model, but its batcher's run-time line is
+    # started from batches of a few shapes timed on the model before the first job.
+    start_worker("--calibrate", "auto", "--profile-dir", str(tmp_path / "profiles"),
+                 "--max-batch-size", "8", model=MODEL)
+    with Client(redis_url, model=MODEL) as client:
+        assert client.predict("Call me Ishmael.", timeout_s=60, raise_on_error=True).ok
+    log = next(tmp_path.glob("worker-*.log")).read_text()
+    assert "calibration: not for this model" in log
+    timed = re.search(r"(\d+) text batch shapes timed .* about ([0-9.]+) ms \+ ([0-9.]+) ms "
+                      r"per 1000 padded tokens", log)
+    assert timed and int(timed[1]) == 9 and float(timed[3]) > 0, log[-2000:]

@@ -1,0 +1,57 @@
+"""Run time by (rows, padded length), measured at start for a model whose inputs vary in
+length (the text model), so the length-bucketed batcher's deadline rule has real figures
+from the first request on (gpu_worker/shaping.py ``TokenLatencyEstimator``).
+
+A calibration profile holds times by batch size, for fixed-shape inputs. A text batch's
+time depends on its rows and its longest text, so the worker times a small grid of shapes
+on its own model (a few seconds), seeds the estimator with them, and the estimator follows
+the batches actually run from then on. The inputs are the handler's ``sample_input(cost)``
+payloads, preprocessed as the pool would; the slots they used are cleared afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+from redbatch.gpu_worker.model import ModelRunner
+from redbatch.handlers.base import Handler
+
+#: Lengths timed, tokens (each capped at the model's longest input), and rows as shares of
+#: the largest batch; a shape past the token budget is not timed (it never runs), but for
+#: one row, which always may.
+LENGTHS = (16, 64)
+ROW_SHARES = (0.25, 1.0)
+
+
+def shape_grid(max_rows: int, max_cost: int, max_tokens: int) -> list[tuple[int, int]]:
+    """The (rows, length) shapes to time: 1, a quarter and all of ``max_rows`` rows by 16,
+    64 and ``max_cost`` tokens, within ``max_tokens`` padded tokens (one row always)."""
+    rows = sorted({1, *(max(1, round(share * max_rows)) for share in ROW_SHARES)})
+    lengths = sorted({min(n, max_cost) for n in (*LENGTHS, max_cost)})
+    return [(r, n) for r in rows for n in lengths if r == 1 or r * n <= max_tokens]
+
+
+def measure_shapes(handler: Handler, runner: ModelRunner, slots: np.ndarray,
+                   grid: list[tuple[int, int]]) -> dict[tuple[int, int], float]:
+    """Seconds of one batch of each shape in ``grid`` (after an untimed run of it)."""
+    sample: Callable[[int], bytes] = handler.sample_input  # type: ignore[attr-defined]
+    times: dict[tuple[int, int], float] = {}
+    for rows, length in grid:
+        payload = sample(length)
+        for slot in range(rows):
+            handler.preprocess(payload, "", {}, slots[slot])
+        ids = list(range(rows))
+        params: list[dict[str, object]] = [{} for _ in range(rows)]
+        runner.run(ids, params)
+        start = time.perf_counter()
+        runner.run(ids, params)
+        times[(rows, length)] = time.perf_counter() - start
+    slots[:max((r for r, _ in grid), default=0)] = 0
+    return times
+
+
+def can_measure(handler: Handler) -> bool:
+    """Whether the handler makes inputs of a given cost (its optional ``sample_input``)."""
+    return callable(getattr(handler, "sample_input", None))
