@@ -27,6 +27,8 @@ DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_MAX_WAIT_MS = 5.0
 DEFAULT_MAX_INFLIGHT = 64
 DEFAULT_MAX_PAYLOAD_BYTES = 20 * 1024 * 1024
+#: Padded tokens (rows x the longest) a batch of a text model may hold (gpu_worker/shaping.py).
+DEFAULT_MAX_BATCH_TOKENS = 4096
 #: Schemes of a Redis URL; the ``+cluster`` ones name a Redis Cluster by its nodes.
 REDIS_URL_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
@@ -202,7 +204,7 @@ class BatchSettings:
     #: For a model whose inputs have a cost (the text model: tokens), most padded tokens a
     #: batch may hold (rows x its longest input), and requests are grouped in length
     #: buckets (gpu_worker/shaping.py); 0: plain size batching, padded to the longest.
-    max_batch_tokens: int = 4096
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

@@ -48,6 +48,9 @@ powers of two (the default) padded / real tokens is about 1.3-1.4 for a saturate
 mix; four edges per octave (``octave_edges(per_octave=4)``) bring it to about 1.1.
 
 Times are seconds on one monotonic clock chosen by the caller.
+
+The module runs a little past 400 lines: one policy with its run-time estimator and the
+small pieces only it uses; the plain rules stay in batcher.py.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic
 
+from redbatch.common.config import DEFAULT_MAX_BATCH_TOKENS
 from redbatch.gpu_worker.batcher import (
     Batcher,
     LanePolicy,
@@ -75,8 +79,6 @@ DEFAULT_SMALLEST_EDGE = 8
 #: 1.1 padded tokens a real one, powers of two near 1.35 (tests/test_batcher.py).
 DEFAULT_EDGES_PER_OCTAVE = 1
 SERVING_EDGES_PER_OCTAVE = 4
-#: Padded tokens a batch may hold by default (32 rows of the longest text).
-DEFAULT_MAX_BATCH_TOKENS = 8192
 #: How fast the run-time fit forgets older runs (weight of the newest observation).
 DEFAULT_TOKEN_SMOOTHING = 0.05
 
@@ -120,7 +122,7 @@ class ShapePolicy:
     """Token budget and length buckets of a shaped batcher (see the module docstring)."""
 
     #: Most padded tokens (rows x longest length) a batch may hold; a lone request always fits.
-    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS  # common/config.py, the worker's too
     #: Upper edges of the length buckets, tokens, increasing.
     edges: tuple[int, ...] = DEFAULT_EDGES
 
