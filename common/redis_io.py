@@ -44,25 +44,26 @@ REFUSALS = frozenset({"OOM", "READONLY", "NOPERM", "MISCONF", "MASTERDOWN", "NOR
                       "CLUSTERDOWN", "TRYAGAIN", "BUSY", "EXECABORT", "MOVED", "ASK"})
 
 
+#: The error classes redis-py strips the code word from, and that word.
+_CODES_BY_CLASS: tuple[tuple[type[BaseException], str], ...] = (
+    (redis.exceptions.OutOfMemoryError, "OOM"),
+    (redis.exceptions.ReadOnlyError, "READONLY"),
+    (redis.exceptions.NoPermissionError, "NOPERM"),
+    (redis.exceptions.MovedError, "MOVED"),
+    (redis.exceptions.AskError, "ASK"),
+    (redis.exceptions.ClusterDownError, "CLUSTERDOWN"),
+    (redis.exceptions.TryAgainError, "TRYAGAIN"),
+)
+
+
 def error_code(e: BaseException) -> str:
     """The first word of a Redis error reply (``OOM``, ``READONLY``, ``WRONGTYPE``,
     ``NOGROUP``...), as redis-py keeps it; ``ERR`` for a reply it stripped to text."""
+    for cls, code in _CODES_BY_CLASS:
+        if isinstance(e, cls):
+            return code
     words = str(e).split(maxsplit=1)
     first = words[0] if words else ""
-    if isinstance(e, redis.exceptions.OutOfMemoryError):
-        return "OOM"
-    if isinstance(e, redis.exceptions.ReadOnlyError):
-        return "READONLY"
-    if isinstance(e, redis.exceptions.NoPermissionError):
-        return "NOPERM"
-    if isinstance(e, redis.exceptions.MovedError):
-        return "MOVED"
-    if isinstance(e, redis.exceptions.AskError):
-        return "ASK"
-    if isinstance(e, redis.exceptions.ClusterDownError):
-        return "CLUSTERDOWN"
-    if isinstance(e, redis.exceptions.TryAgainError):
-        return "TRYAGAIN"
     return first if first.isupper() else "ERR"
 
 
