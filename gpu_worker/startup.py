@@ -28,6 +28,7 @@ from redbatch.gpu_worker.intake import Intake, Job
 from redbatch.gpu_worker.metrics import Health, WorkerMetrics
 from redbatch.gpu_worker.model import ModelRunner
 from redbatch.gpu_worker.results import ResultWriter
+from redbatch.gpu_worker.transaction import ReplicaWait
 from redbatch.gpu_worker.tuning.apply import Tuned, warmup_sizes
 from redbatch.handlers.base import Handler, load_handler, preprocesses_inline
 from redbatch.preproc_worker.pool import PreprocPool
@@ -106,7 +107,9 @@ def build(s: Settings, latency: LatencyEstimator, metrics: WorkerMetrics, health
                     s.consumer, s.limits.max_payload_bytes, s.reclaim_idle_ms,
                     s.max_deliveries)
     wait_for_redis(intake, health, stop)
-    writer = ResultWriter(connect(s.redis), intake.keys, s.consumer, s.result_ttl_s)
+    wait = ReplicaWait(s.result_replicas, s.result_wait_ms) if s.result_replicas else None
+    writer = ResultWriter(connect(s.redis), intake.keys, s.consumer, s.result_ttl_s, wait,
+                          metrics.result_waited)
     return Parts(s, tuned, capacity, batcher, slots, allocator, pool, runner, inline, intake,
                  writer)
 
