@@ -6,6 +6,9 @@ own Redis connections from it. The dataclass fields are the one home of every
 default: the CLI shows and uses them through :func:`default_of`, never restating
 them. The few ``DEFAULT_*`` constants left are those that code outside the
 settings (the producer's client, the pool's slot arrays, benches) needs too.
+
+The module runs past 400 lines because it is that one home: every setting of a worker and
+its default are declared here, beside the checks of the Redis URL they start from.
 """
 
 from __future__ import annotations
