@@ -94,6 +94,14 @@ _job_options = together(
     opt("--batch-timeout-s", env="BATCH_TIMEOUT_S", type=click.FloatRange(min=0.1),
         default=default_of(Settings, "batch_timeout_s"),
         help="A batch running longer means a hung device: exit (code 3) for a restart."),
+    opt("--result-replicas", env="RESULT_REPLICAS", type=click.IntRange(min=0),
+        default=default_of(Settings, "result_replicas"),
+        help="After each write of results, wait (Redis WAIT) for this many replicas to "
+             "have it, so a failover is less likely to lose it; 0: do not wait."),
+    opt("--result-wait-ms", env="RESULT_WAIT_MS", type=click.IntRange(min=1),
+        default=default_of(Settings, "result_wait_ms"),
+        help="The longest that wait takes, ms; then the worker goes on (the results are "
+             "written on the master) and counts it as short in the metrics."),
 )
 
 _serve_options = together(
@@ -204,6 +212,8 @@ def build_settings(options: dict[str, Any]) -> Settings:
         metrics_port=options["metrics_port"],
         metrics_host=options["metrics_host"],
         batch_timeout_s=options["batch_timeout_s"],
+        result_replicas=options["result_replicas"],
+        result_wait_ms=options["result_wait_ms"],
     )
 
 

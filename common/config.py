@@ -6,6 +6,9 @@ own Redis connections from it. The dataclass fields are the one home of every
 default: the CLI shows and uses them through :func:`default_of`, never restating
 them. The few ``DEFAULT_*`` constants left are those that code outside the
 settings (the producer's client, the pool's slot arrays, benches) needs too.
+
+The module runs past 400 lines because it is that one home: every setting of a worker and
+its default are declared here, beside the checks of the Redis URL they start from.
 """
 
 from __future__ import annotations
@@ -388,6 +391,20 @@ class Settings:
     #: A batch running longer than this, seconds, means a hung device or model: the worker
     #: exits (code 3) for its supervisor to restart it, and its jobs are taken over.
     batch_timeout_s: float = 120.0
+    #: Replicas each write of results waits for (Redis WAIT, once per write, on the
+    #: connection that wrote): 0 does not wait. RELIABILITY.md "What a failover can lose".
+    result_replicas: int = 0
+    #: The longest that wait may take, ms; then the worker goes on (the master has the
+    #: write) and counts it in redbatch_result_waits_total{outcome="short"}.
+    result_wait_ms: int = 100
+
+    def __post_init__(self) -> None:
+        if self.result_replicas < 0:
+            raise ValueError("result_replicas must be >= 0")
+        # WAIT 0 would block for ever; a wait past the socket timeout would drop the link.
+        if not 1 <= self.result_wait_ms < self.redis.socket_timeout_s * 1000:
+            raise ValueError(f"result_wait_ms must be >= 1 and below the socket timeout "
+                             f"({self.redis.socket_timeout_s * 1000:g} ms)")
 
 
 def default_of(settings_class: type[Any], name: str) -> Any:

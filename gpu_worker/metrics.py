@@ -12,6 +12,10 @@ marked "sampled" are refreshed every 1-2 s; everything else is recorded as it ha
                                                             (text: tokens): real, padded
   redbatch_dead_lettered_total                              an entry put in the DLQ
   redbatch_reclaimed_total                                  a job taken over
+  redbatch_result_waits_total            outcome            a write of results followed
+                                                            by WAIT (--result-replicas):
+                                                            acked, or short (timed out
+                                                            or failed: not confirmed)
   histograms, seconds
   redbatch_queue_seconds                 lane               ok result: time in Redis
   redbatch_preprocess_seconds                               ok result: decode in the pool
@@ -156,6 +160,11 @@ class WorkerMetrics:
         self.reclaimed_jobs = self._counter(
             "redbatch_reclaimed_total", "Jobs delivered before, taken over from a dead or "
             "stuck worker (or re-read after a restart under the same consumer name).").labels(m)
+        waits = self._counter("redbatch_result_waits_total", "Writes of results followed by "
+                              "WAIT (--result-replicas): confirmed by as many replicas as "
+                              "asked (acked), or not (short: timed out or failed).",
+                              ("outcome",))
+        self.result_waits = {"acked": waits.labels(m, "acked"), "short": waits.labels(m, "short")}
         for lane in Lane:  # series exist from the start, so rate() works from the first job
             self.requests.labels(m, lane.value, Status.OK.value)
         for stage, by_lane in _STAGES.values():
@@ -275,6 +284,10 @@ class WorkerMetrics:
         if costs and max(costs) > 0:
             self.real_tokens.inc(sum(costs))
             self.padded_tokens.inc(len(costs) * max(costs))
+
+    def result_waited(self, replication: Any) -> None:
+        """One WAIT after a write of results (gpu_worker/transaction.py ``Replication``)."""
+        self.result_waits["short" if replication.short else "acked"].inc()
 
     def reclaimed(self, n: int) -> None:
         if n:

@@ -25,6 +25,16 @@ NOTE [ Write failures ]
   key replaced in between, or an undeliverable answer's own record) is kept in
   memory and written on a later flush.
 
+NOTE [ Replicas ]
+  Redis replicates asynchronously: a master that acknowledged a transaction and dies
+  before its replicas copied it loses the whole transaction on failover, results and
+  acknowledgements together (MULTI/EXEC replicates as one unit), so the promoted replica
+  still holds those jobs pending, and they are taken over and run again: answered late,
+  never lost. With ``wait`` (--result-replicas) each transaction is followed by one WAIT
+  (transaction.py NOTE [ WAIT after the write ]); a WAIT that timed out or failed is a
+  warning (at most one a minute) and ``redbatch_result_waits_total{outcome="short"}``,
+  never a failed write. RELIABILITY.md "What a failover can lose".
+
 The module runs past 400 lines because an answer and the transaction that writes it change
 together: every field of Answer is there for one command or one failure case of the write,
 and the envelopes are built here so that their bytes are ready for the transaction.
@@ -35,7 +45,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
@@ -63,7 +73,13 @@ from redbatch.common.protocol import (
 )
 from redbatch.common.redis_io import REDIS_ERRORS, RedisRefused, RedisUnavailable, error_code
 from redbatch.gpu_worker.intake import BadEntry, Job
-from redbatch.gpu_worker.transaction import Commands, exec_transaction
+from redbatch.gpu_worker.transaction import (
+    Commands,
+    Replication,
+    ReplicaWait,
+    exec_transaction,
+    run_pipeline,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -157,8 +173,13 @@ def _outcome(result: ResultEnvelope) -> str:
 class ResultWriter:
     """Builds result envelopes and writes them with their acknowledgements."""
 
-    def __init__(self, r: redis.Redis, keys: Keys, worker: str, ttl_s: int) -> None:
+    def __init__(self, r: redis.Redis, keys: Keys, worker: str, ttl_s: int,
+                 wait: ReplicaWait | None = None,
+                 waited: Callable[[Replication], None] | None = None) -> None:
         self._redis = r
+        #: The WAIT after each transaction, and who counts what it said (NOTE [ Replicas ]).
+        self._wait = wait
+        self._waited = waited
         self.keys = keys
         self._answers = AnswerKeys(keys)
         self._dead = DeadLetters(keys)
@@ -244,16 +265,18 @@ class ResultWriter:
         """
         held: list[Answer] = []
         pipe = None
+        replication = None
         try:
             if any(a.dead_letter is not None for a in answers):
                 pipe = self._redis.pipeline(transaction=True)
                 answers, held = self._guard_dead_letters(pipe, answers)
                 ops = self._queue(pipe, answers)
-                replies = pipe.execute(raise_on_error=False) if ops else []
+                replies, replication = run_pipeline(pipe, self._wait) if ops else ([], None)
             else:  # the hot path, nothing to WATCH: one packed MULTI/EXEC (transaction.py)
                 commands = Commands()
                 ops = self._queue(commands, answers)
-                replies = exec_transaction(self._redis, commands) if ops else []
+                replies, replication = (exec_transaction(self._redis, commands, self._wait)
+                                        if ops else ([], None))
         except redis.WatchError as e:
             raise RedisRefused("the dead-letter stream changed during the write") from e
         except REDIS_ERRORS as e:
@@ -265,8 +288,22 @@ class ResultWriter:
             if pipe is not None:
                 pipe.reset()
         undeliverable = self._read_replies(answers, ops, replies)
+        if replication is not None:
+            self._replicated(replication, len(answers))
         self._write_records()
         return Flushed(held, undeliverable)
+
+    def _replicated(self, replication: Replication, n: int) -> None:
+        """Count what the WAIT said; warn (at most once a minute) when it fell short."""
+        if self._waited is not None:
+            self._waited(replication)
+        if replication.short:
+            self._warn.warning("replicas", "%d results written on the master, confirmed by "
+                               "%d of %d replicas within %d ms%s; a failover now could lose "
+                               "them (their jobs would run again)", n, replication.acked,
+                               replication.asked, self._wait.timeout_ms if self._wait else 0,
+                               f" (WAIT failed: {replication.error})" if replication.error
+                               else "")
 
     def _guard_dead_letters(self, pipe: Any,
                             answers: Sequence[Answer]) -> tuple[list[Answer], list[Answer]]:

@@ -36,6 +36,7 @@ from redbatch.gpu_worker.shaping import (
     TokenLatencyEstimator,
     octave_edges,
 )
+from redbatch.gpu_worker.transaction import ReplicaWait
 from redbatch.gpu_worker.tuning.apply import Tuned, warmup_sizes
 from redbatch.handlers.base import Handler, load_handler, max_cost_of, preprocesses_inline
 from redbatch.preproc_worker.pool import PreprocPool
@@ -126,7 +127,9 @@ def build(s: Settings, latency: LatencyEstimator, metrics: WorkerMetrics, health
                     s.consumer, s.limits.max_payload_bytes, s.reclaim_idle_ms,
                     s.max_deliveries)
     wait_for_redis(intake, health, stop)
-    writer = ResultWriter(connect(s.redis), intake.keys, s.consumer, s.result_ttl_s)
+    wait = ReplicaWait(s.result_replicas, s.result_wait_ms) if s.result_replicas else None
+    writer = ResultWriter(connect(s.redis), intake.keys, s.consumer, s.result_ttl_s, wait,
+                          metrics.result_waited)
     return Parts(s, tuned, capacity, batcher, slots, allocator, pool, runner, inline, intake,
                  writer)
 

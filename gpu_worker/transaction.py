@@ -16,16 +16,61 @@ connection or a timeout raises ConnectionError / TimeoutError, and a transaction
 refuses whole (OOM, READONLY, NOPERM at queue time: EXECABORT) raises ResponseError. In
 both cases nothing was applied. The connection goes back to the pool only when its replies
 were all read; otherwise it is dropped, so that no late reply meets another command.
+
+NOTE [ WAIT after the write ]
+  With a :class:`ReplicaWait`, ``WAIT replicas timeout`` follows the EXEC on the very
+  connection that ran it, before the connection goes back to its pool: WAIT counts the
+  replicas that reached the replication offset Redis noted for *its own connection*
+  (Redis 7.0: after that connection's last command; older servers: after its last
+  write), so on the writing connection it covers the write on any version, and on a
+  cluster it reaches the master that took it. One WAIT per transaction, whatever it
+  holds. A WAIT that times out or fails never raises: the transaction was applied on
+  the master, and :class:`Replication` says how many replicas confirmed it. redis-py's
+  pipelines give their connection back inside ``execute()``, so :func:`run_pipeline` calls
+  the parts of ``execute()`` that run the transaction and leaves the reset to the caller.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import redis
+import redis.cluster
 from hiredis import pack_command
-from redbatch.common.redis_io import is_cluster
+from redbatch.common.redis_io import REDIS_ERRORS, is_cluster
 from redis.commands.core import CoreCommands
+
+
+@dataclass(frozen=True, slots=True)
+class Replication:
+    """What the WAIT after a write said: how many replicas were asked for and confirmed it."""
+
+    asked: int
+    acked: int
+    #: Why WAIT itself failed (the write stands, unconfirmed); empty when it answered.
+    error: str = ""
+
+    @property
+    def short(self) -> bool:
+        return self.acked < self.asked
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaWait:
+    """``WAIT replicas timeout_ms`` after each transaction (NOTE [ WAIT after the write ])."""
+
+    replicas: int
+    timeout_ms: int
+
+    def after(self, conn: Any) -> Replication:
+        """WAIT on ``conn``, the connection that just wrote; never raises a Redis error."""
+        try:
+            conn.send_command("WAIT", self.replicas, self.timeout_ms, check_health=False)
+            return Replication(self.replicas, int(conn.read_response()))
+        except redis.RedisError as e:  # the write happened; only its copies are unknown
+            conn.disconnect()  # a reply still on its way must meet no other command
+            return Replication(self.replicas, 0, f"{type(e).__name__}: {e}")
 
 
 class Commands(CoreCommands):
@@ -54,48 +99,82 @@ def _packed(commands: list[tuple[Any, ...]]) -> bytes:
     return b"".join([_MULTI, *[pack_command(args) for args in commands], _EXEC])
 
 
-def exec_transaction(client: redis.Redis, commands: Commands) -> list[Any]:
+def exec_transaction(client: redis.Redis, commands: Commands,
+                     wait: ReplicaWait | None = None) -> tuple[list[Any], Replication | None]:
     """Run ``commands`` in one MULTI/EXEC on a connection of ``client``'s pool; returns
-    EXEC's replies, in order. Raises as the module docstring says.
+    EXEC's replies, in order, and what the WAIT after it said (None without ``wait``).
+    Raises as the module docstring says.
 
     On a cluster (all the keys in one slot) the cluster client's own transaction runs them
     on the master of that slot, following a slot that moved."""
     if is_cluster(client):
-        return _cluster_transaction(client, commands)
+        return _cluster_transaction(client, commands, wait)
     pool = client.connection_pool
     conn: Any = pool.get_connection()  # redis-py leaves the connection's methods untyped
     complete = False
     try:
         conn.send_packed_command([_packed(commands.args)], check_health=False)
-        conn.read_response()  # +OK of MULTI
-        refused: redis.ResponseError | None = None
-        for _ in commands.args:
-            try:
-                conn.read_response()  # +QUEUED
-            except redis.ResponseError as e:  # refused at queue time: EXEC aborts it all
-                refused = refused or e
-        try:
-            replies = conn.read_response()
-        except redis.ResponseError as e:  # EXECABORT (or a refusal of EXEC itself)
-            complete = True
-            raise (refused or e) from None
+        replies = _read_exec(conn, len(commands.args))
         complete = True
-        if refused is not None:  # cannot happen: Redis aborts a transaction with a refusal
-            raise refused
-        return list(replies) if replies is not None else []
+        return replies, wait.after(conn) if wait is not None else None
+    except redis.ResponseError:  # refused whole; every reply was read
+        complete = True
+        raise
     finally:
         if not complete:
             conn.disconnect()
         pool.release(conn)
 
 
-def _cluster_transaction(client: redis.Redis, commands: Commands) -> list[Any]:
+def _read_exec(conn: Any, n: int) -> list[Any]:
+    """The replies of MULTI, ``n`` queued commands and EXEC: EXEC's replies, or the
+    ResponseError of a transaction refused whole (after every reply was read)."""
+    conn.read_response()  # +OK of MULTI
+    refused: redis.ResponseError | None = None
+    for _ in range(n):
+        try:
+            conn.read_response()  # +QUEUED
+        except redis.ResponseError as e:  # refused at queue time: EXEC aborts it all
+            refused = refused or e
+    try:
+        replies = conn.read_response()
+    except redis.ResponseError as e:  # EXECABORT (or a refusal of EXEC itself)
+        raise (refused or e) from None
+    if refused is not None:  # cannot happen: Redis aborts a transaction with a refusal
+        raise refused
+    return list(replies) if replies is not None else []
+
+
+def _cluster_transaction(client: redis.Redis, commands: Commands,
+                         wait: ReplicaWait | None) -> tuple[list[Any], Replication | None]:
     """exec_transaction on a cluster client: the same replies and errors (a refusal at
     queue time raises its ResponseError; single commands' errors are replies)."""
     pipe = client.pipeline(transaction=True)
     try:
         for args in commands.args:
             pipe.execute_command(*args)  # type: ignore[no-untyped-call]  # redis-py
-        return list(pipe.execute(raise_on_error=False))
+        return run_pipeline(pipe, wait)
     finally:
         pipe.reset()
+
+
+def run_pipeline(pipe: Any, wait: ReplicaWait | None) -> tuple[list[Any], Replication | None]:
+    """``pipe.execute(raise_on_error=False)`` of a transaction pipeline, plain or cluster,
+    then the WAIT on the connection that ran it (NOTE [ WAIT after the write ]). The caller
+    resets ``pipe`` afterwards, which gives the connection back."""
+    if wait is None:
+        return list(pipe.execute(raise_on_error=False)), None
+    if isinstance(pipe, redis.cluster.ClusterPipeline):
+        strategy: Any = pipe._execution_strategy  # redis-py 8's transaction strategy
+        replies = strategy.execute(raise_on_error=False)
+        conn = strategy._transaction_connection  # held until pipe.reset()
+    else:
+        if pipe.connection is None:  # no WATCH took one: take it as execute() would
+            pipe.connection = pipe.connection_pool.get_connection()
+        conn = pipe.connection
+        try:
+            replies = pipe._execute_transaction(conn, pipe.command_stack, False)
+        except REDIS_ERRORS:
+            conn.disconnect()  # as execute() does: no late reply meets another command
+            raise
+    return list(replies), wait.after(conn) if conn is not None else None

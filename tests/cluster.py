@@ -55,15 +55,7 @@ class LocalCluster:
         return f"redis://127.0.0.1:{node.port}/0"
 
     def start(self, timeout_s: float = 60.0) -> LocalCluster:
-        taken: set[int] = set()
-        for _ in range(self.masters * (1 + self.replicas)):
-            port = free_cluster_port(taken)
-            taken.add(port)
-            node = RedisServer(port=port, extra_args=[
-                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(self.node_timeout_ms)])
-            self.nodes.append(node)
-            node.start()
+        self.start_nodes()
         create = subprocess.run(
             ["redis-cli", "--cluster", "create",
              *[f"127.0.0.1:{n.port}" for n in self.nodes],
@@ -74,6 +66,18 @@ class LocalCluster:
                                    + create.stdout.decode(errors="replace")[-2000:])
         self.wait_ok(timeout_s)
         return self
+
+    def start_nodes(self) -> None:
+        """Every node, each on its own: no cluster yet (``redis-cli --cluster create``)."""
+        taken: set[int] = set()
+        for _ in range(self.masters * (1 + self.replicas)):
+            port = free_cluster_port(taken)
+            taken.add(port)
+            node = RedisServer(port=port, extra_args=[
+                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", str(self.node_timeout_ms)])
+            self.nodes.append(node)
+            node.start()
 
     def wait_ok(self, timeout_s: float, nodes: list[RedisServer] | None = None) -> None:
         """Until every (live) node says cluster_state:ok and sees every master with its

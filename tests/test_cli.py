@@ -22,6 +22,7 @@ from conftest import (
 )
 from redbatch.cli import main
 from redbatch.cli.worker import build_settings, worker
+from redbatch.common.config import Settings
 
 
 def _worker_options(args: list[str], env: dict[str, str] | None = None) -> dict[str, object]:
@@ -62,6 +63,22 @@ def test_environment_variables_set_the_same_options(monkeypatch: pytest.MonkeyPa
     s = build_settings(_worker_options([]))
     assert s.redis.url == "redis://env:6379/0" and s.redis.prefix == "staging"
     assert s.batch.max_batch_size == 4 and s.model.served_name == "catdog"
+
+
+def test_result_replicas_flags_and_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = build_settings(_worker_options([]))
+    assert (s.result_replicas, s.result_wait_ms) == (0, 100), "off by default"
+    s = build_settings(_worker_options(["--result-replicas", "2", "--result-wait-ms", "250"]))
+    assert (s.result_replicas, s.result_wait_ms) == (2, 250)
+    monkeypatch.setenv("REDBATCH_RESULT_REPLICAS", "1")
+    monkeypatch.setenv("REDBATCH_RESULT_WAIT_MS", "40")
+    s = build_settings(_worker_options([]))
+    assert (s.result_replicas, s.result_wait_ms) == (1, 40)
+    # WAIT 0 blocks for ever; a wait past the socket timeout would cut the connection.
+    result = CliRunner().invoke(main, ["worker", "--result-wait-ms", "0"])
+    assert result.exit_code == 2 and "result-wait-ms" in result.output
+    with pytest.raises(ValueError, match="socket timeout"):
+        Settings(result_wait_ms=10_000)
 
 
 def test_settings_repr_hides_the_redis_password() -> None:

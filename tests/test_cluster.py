@@ -18,6 +18,7 @@ import redis
 import redis.cluster
 from cluster import LocalCluster, wait_replicated
 from conftest import CAT_LABELS, SAMPLES
+from redbatch.cli.redis_server import free_port
 from redbatch.common import protocol as p
 from redbatch.common.protocol import (
     AnswerKeys,
@@ -33,6 +34,7 @@ from redbatch.gpu_worker.transaction import Commands
 from redbatch.producer.core import _admit
 from redis.crc import key_slot
 from spawned_workers import spawned_workers
+from test_result_wait import scraped_waits
 
 COFFEE_LABELS = {"espresso", "cup", "coffee mug"}
 PHOTOS = {name: (SAMPLES / name).read_bytes() for name in ("cat.jpg", "coffee.jpg")}
@@ -102,6 +104,24 @@ def test_two_workers_answer_real_photos_and_status_sees_them(
     for log in logs:  # no read or write failed and was retried: none was needed
         text = log.read_text(errors="replace")
         assert "Traceback" not in text and "failed" not in text, text[-3000:]
+
+
+def test_a_worker_waiting_for_replicas_answers_on_the_cluster(
+        cluster: LocalCluster, rc: redis.Redis, tmp_path: Path) -> None:
+    """--result-replicas 1: the WAIT after each write goes to the master of the model's
+    slot, on the connection of the cluster transaction, and its replica confirms it."""
+    from redbatch.producer.client import Client
+    port = free_port()
+    with spawned_workers(tmp_path) as start:
+        _, log = start(cluster.url, "--result-replicas", "1", "--result-wait-ms", "5000",
+                       "--metrics-port", str(port), model="null")
+        with Client(cluster.url, model="null") as client:
+            ids = client.submit_many([PHOTOS["cat.jpg"]] * 20, timeout_s=60)
+            results = client.results(ids, timeout_s=60)
+        assert all(r.ok for r in results), results[:3]
+        waits = scraped_waits(port)
+        assert waits["acked"] >= 1 and waits["short"] == 0, waits
+        assert "Traceback" not in log.read_text(errors="replace")
 
 
 async def _async_get(url: str) -> object:
@@ -232,8 +252,9 @@ def test_a_failover_under_load_loses_no_accepted_job(
     takes over, both workers ride it out (retrying with back-off, never exiting), and every
     job the client got an id for is answered ok. Jobs submitted before the kill are waited
     on until replicated (Redis replicates asynchronously: a write acknowledged in the last
-    moments before a master dies can be lost; WAIT is for later). Answers the dead master
-    took but never replicated are lost with it, and their jobs run again (at least once)."""
+    moments before a master dies can be lost; RELIABILITY.md "What a failover can lose").
+    Answers the dead master took but never replicated are lost with it, and their jobs run
+    again (at least once)."""
     from redbatch.producer.client import Client
     keys = Keys("null")
     photo = PHOTOS["cat.jpg"]

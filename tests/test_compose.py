@@ -44,8 +44,16 @@ from deploy_files import (
     service_env,
 )
 from redbatch.cli.local_stack import stop_worker, wait_worker_ready
-from redbatch.common.config import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_INFLIGHT, LimitSettings
+from redbatch.common.config import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_INFLIGHT,
+    LimitSettings,
+    check_redis_url,
+    cluster_nodes,
+    is_cluster_url,
+)
 from redbatch.common.protocol import Keys
+from redbatch.common.redis_io import connect, is_cluster
 from redbatch.handlers.base import load_handler
 from redbatch.producer.client import Client
 
@@ -117,7 +125,11 @@ def test_workers_start_after_redis_is_healthy_and_drain_on_stop() -> None:
     compose = load_compose()
     for name in redbatch_services(compose):
         service = compose["services"][name]
-        assert service["depends_on"]["redis"]["condition"] == "service_healthy", name
+        if "cluster" in service.get("profiles", []):  # after the cluster is made
+            assert service["depends_on"] == {
+                CLUSTER_INIT: {"condition": "service_completed_successfully"}}, name
+        else:
+            assert service["depends_on"]["redis"]["condition"] == "service_healthy", name
         assert compose_seconds(service["stop_grace_period"]) > WORKER_DRAIN_S, name
         assert service.get("restart") in ("unless-stopped", "always", "on-failure"), name
 
@@ -147,7 +159,8 @@ def test_workers_can_be_scaled() -> None:
 
 def test_cpu_profile_is_the_worker_without_a_gpu() -> None:
     compose = load_compose()
-    assert redbatch_services(compose) == ["worker", "worker-cpu", "worker-text"]
+    assert redbatch_services(compose) == ["worker", "worker-cluster", "worker-cpu",
+                                          "worker-text"]
     gpu, cpu = compose["services"]["worker"], compose["services"]["worker-cpu"]
     assert cpu["profiles"] == ["cpu"] and "profiles" not in gpu
     assert service_env(cpu).pop("REDBATCH_DEVICE") == "cpu"
@@ -169,7 +182,94 @@ def test_text_profile_is_the_cpu_worker_serving_the_text_model() -> None:
     assert {**service_env(text), **same} == {**service_env(cpu), **same}
 
 
+# ------------------------------------------------------------------ the cluster profile
+
+CLUSTER_INIT = "redis-cluster-init"
+
+
+def cluster_nodes_of(compose: dict[str, Any]) -> list[str]:
+    return sorted(name for name in compose["services"] if name.startswith("redis-node-"))
+
+
+def test_cluster_profile_has_six_durable_nodes_each_with_a_healthcheck() -> None:
+    compose = load_compose()
+    nodes = cluster_nodes_of(compose)
+    assert nodes == [f"redis-node-{i}" for i in range(1, 7)]
+    redis_service = compose["services"]["redis"]
+    for name in nodes:
+        node = compose["services"][name]
+        assert node["profiles"] == ["cluster"] and node["image"] == redis_service["image"]
+        command = " ".join(node["command"])
+        for setting in ("--cluster-enabled yes", "--appendonly yes", "--appendfsync everysec",
+                        "--maxmemory-policy noeviction", "--maxmemory 1gb"):
+            assert setting in command, (name, setting)
+        assert node["healthcheck"] == redis_service["healthcheck"], name
+        assert node["volumes"] == [f"{name}:/data"] and name in compose["volumes"], name
+        assert "ports" not in node, "reachable inside the compose network only"
+
+
+def test_cluster_init_runs_once_the_nodes_are_healthy() -> None:
+    compose = load_compose()
+    init = compose["services"][CLUSTER_INIT]
+    assert init["profiles"] == ["cluster"] and init["restart"] == "no"
+    assert init["image"] == compose["services"]["redis"]["image"]
+    assert init["depends_on"] == {name: {"condition": "service_healthy"}
+                                  for name in cluster_nodes_of(compose)}
+    assert init["entrypoint"] == ["sh", "-c"]
+    script, name, *nodes = init["command"]
+    assert name == CLUSTER_INIT and nodes == [f"{n}:6379" for n in cluster_nodes_of(compose)]
+    assert "--cluster-replicas 1 --cluster-yes" in script
+
+
+def test_cluster_worker_is_the_gpu_worker_on_the_cluster() -> None:
+    compose = load_compose()
+    gpu, worker = compose["services"]["worker"], compose["services"]["worker-cluster"]
+    url = service_env(worker)["REDBATCH_REDIS_URL"]
+    assert check_redis_url(url) == url and is_cluster_url(url)
+    assert cluster_nodes(url)[1] == [(n, 6379) for n in cluster_nodes_of(compose)]
+    assert worker["profiles"] == ["cluster"]
+    same = {k: v for k, v in gpu.items() if k != "depends_on"}
+    assert {k: v for k, v in worker.items() if k not in ("profiles", "depends_on")} == {
+        **same, "environment": {**same["environment"], "REDBATCH_REDIS_URL": url}}
+
+
+def test_cluster_init_command_makes_a_cluster_once() -> None:
+    """The init service's script, as compose runs it (``sh -c SCRIPT NAME NODE...``), on six
+    local cluster-mode redis-servers: it makes a cluster of 3 masters and 3 replicas that a
+    client uses; run again, it leaves the cluster as it is and succeeds."""
+    from cluster import LocalCluster
+
+    init = load_compose()["services"][CLUSTER_INIT]
+    cluster = LocalCluster(masters=3, replicas=1)
+    try:
+        cluster.start_nodes()
+        command = [*init["entrypoint"], *init["command"][:2],
+                   *[f"127.0.0.1:{node.port}" for node in cluster.nodes]]
+        made = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert made.returncode == 0, made.stdout[-3000:] + made.stderr
+        cluster.wait_ok(30)
+        client = connect(cluster.url)
+        assert is_cluster(client) and client.set("{m}x", b"1") and client.get("{m}x") == b"1"
+        assert len(client.get_primaries()) == 3  # type: ignore[attr-defined]
+        assert len(client.get_replicas()) == 3  # type: ignore[attr-defined]
+        client.close()
+        first = redis.Redis(port=cluster.nodes[0].port)
+        before = first.execute_command("CLUSTER", "MYID")
+        again = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert again.returncode == 0 and "nothing to do" in again.stdout, again
+        assert first.execute_command("CLUSTER", "MYID") == before
+        assert int(first.cluster("info")["cluster_known_nodes"]) == 6
+        first.close()
+        cluster.wait_ok(30)
+    finally:
+        cluster.stop()
+
+
 # ------------------------------------------------------------- the services, run locally
+
+#: The services run here: the cluster profile's worker is the GPU worker with another URL
+#: (test_cluster_worker_is_the_gpu_worker_on_the_cluster), served by no local cluster here.
+LIVE_SERVICES = [name for name in redbatch_services(load_compose()) if name != "worker-cluster"]
 
 
 def free_port() -> int:
@@ -217,7 +317,7 @@ def profile_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("profiles")
 
 
-@pytest.fixture(scope="module", params=redbatch_services(load_compose()))
+@pytest.fixture(scope="module", params=LIVE_SERVICES)
 def live_service(request: pytest.FixtureRequest, redis_url: str, profile_dir: Path,
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveService]:
     """A compose service's command run here as its container would run it, having served
