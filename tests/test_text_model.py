@@ -195,7 +195,7 @@ def test_a_worker_counts_real_and_padded_tokens(
     start_worker("--max-batch-size", "2", "--max-wait-ms", "2000", "--metrics-port", str(port),
                  model=MODEL)
     with Client(redis_url, model=MODEL) as client:
-        handles = [client.submit(text) for text in ("Yes.", "Call me Ishmael.")]
+        handles = client.submit_many(["Yes.", "Call me Ishmael."])
         assert all(h.result(timeout_s=60).batch_size == 2 for h in handles)
     assert _token_counts(port) == {"real": 12.0, "padded": 16.0}
 
@@ -213,11 +213,13 @@ def test_a_worker_batches_texts_by_length_unless_told_not_to(
     # group runs in a batch of its own and hardly any token is padding; plain size batching
     # (--max-batch-tokens 0) runs all eight padded to the longest.
     port = _free_port()
-    start_worker("--max-batch-size", "8", "--max-wait-ms", "300", "--max-batch-tokens",
+    # One submission (one pipelined call) and a long wait: all eight are waiting together
+    # before any batch is due, however busy the machine is.
+    start_worker("--max-batch-size", "8", "--max-wait-ms", "1500", "--max-batch-tokens",
                  str(max_batch_tokens), "--metrics-port", str(port), model=MODEL)
     short, long = ["Yes.", "Call me Ishmael.", "a", "lol idk"], [LONG[:900 + i] for i in range(4)]
     with Client(redis_url, model=MODEL) as client:
-        handles = [client.submit(text) for text in short + long]
+        handles = client.submit_many(short + long)
         sizes = [h.result(timeout_s=120).raise_for_error().batch_size for h in handles]
     counts = _token_counts(port)
     waste = counts["padded"] / counts["real"]
