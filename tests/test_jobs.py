@@ -165,14 +165,15 @@ def test_payload_types_travel_with_their_content_type_and_handlers_read_them(
     """bytes, str, JSON values and numpy arrays are each sent with their content type; the
     null_tensor handler reads arrays and JSON lists decoded, and refuses what is not four
     finite numbers with bad_input."""
-    start_worker(model=MODEL)
     payloads: list[object] = [floats(1, 2, 3, 4), np.array([1, 2, 3, 5], dtype=np.float64),
                               [1, 2, 3, 6], "1 2 3 4", {"values": [1, 2, 3, 4]},
                               np.zeros((2, 2)), [1, 2, 3, "x"]]
     with Client(redis_url, model=MODEL) as client:
         handles = [client.submit(p, timeout_s=60) for p in payloads]
+        # Read before any worker runs: a worker deletes each entry once it is answered.
         sent = {msgpack.unpackb(fields[FIELD_JOB.encode()])["content_type"]
                 for _, fields in r.xrange(KEYS.stream(Lane.INTERACTIVE))}
+        start_worker(model=MODEL)
         results = client.results(handles, timeout_s=60)
     assert sent <= {"application/octet-stream", NPY, JSON, TEXT} and len(sent) == 4
     assert [res.output for res in results[:3]] == [{"sum": 10.0}, {"sum": 11.0}, {"sum": 12.0}]

@@ -22,6 +22,7 @@ from redbatch.common.protocol import (
     Status,
 )
 from redbatch.handlers.decode import ALLOWED_FORMATS, REFUSED_SIGNATURES
+from redbatch.handlers.text import MAX_TEXT_BYTES, MAX_TOKENS
 
 DOC = (Path(__file__).resolve().parent.parent / "PROTOCOL.md").read_text()
 MAX = 1024 * 1024
@@ -301,6 +302,8 @@ def test_doc_limits_are_the_limits_in_the_code() -> None:
         "result TTL": defaults.result_ttl_s,
         "dead-letter stream": p.DLQ_MAX_LEN,
         "result envelope": p.MAX_RESULT_BYTES,
+        "text, `all_minilm_l6_v2`": MAX_TEXT_BYTES,
+        "text tokens, `all_minilm_l6_v2`": MAX_TOKENS,
     }
 
 
