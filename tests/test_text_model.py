@@ -8,6 +8,7 @@ test dependency only; workers never import it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import queue
 import re
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +74,12 @@ def embed(handler: AllMiniLmL6V2, texts: Sequence[str]) -> torch.Tensor:
     for text, slot in zip(texts, slots, strict=True):
         handler.preprocess(text.encode(), "text/plain", {}, slot)
     with torch.inference_mode():
-        return handler.load(torch.device("cpu"))(torch.from_numpy(slots))
+        return _encoder(handler)(torch.from_numpy(slots))
+
+
+@functools.cache
+def _encoder(handler: AllMiniLmL6V2) -> Callable[[torch.Tensor], torch.Tensor]:
+    return handler.load(torch.device("cpu"))  # loaded once per handler, not per call
 
 
 def test_embeddings_match_sentence_transformers_on_varied_real_sentences(
