@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import WorkerFactory, settings_free_env
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from redbatch.common.config import LimitSettings
 from redbatch.common.protocol import ErrorCode
 from redbatch.gpu_worker.tuning.shapes import shape_grid
@@ -261,3 +263,18 @@ def test_a_calibrating_worker_times_text_shapes_and_serves(
     timed = re.search(r"(\d+) text batch shapes timed .* about ([0-9.]+) ms \+ ([0-9.]+) ms "
                       r"per 1000 padded tokens", log)
     assert timed and int(timed[1]) == 9 and float(timed[3]) > 0, log[-2000:]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.binary(max_size=4096), st.text(max_size=2048).map(str.encode)),
+       st.sampled_from(["", "text/plain", "application/json", "application/octet-stream"]))
+def test_fuzz_any_payload_is_a_slot_or_a_typed_refusal(payload: bytes, content_type: str) -> None:
+    out = np.empty((2, MAX_TOKENS), dtype=np.int32)
+    handler = AllMiniLmL6V2(LimitSettings())
+    try:
+        cost = handler.preprocess(payload, content_type, {}, out)
+    except InputError as e:
+        assert e.code in (ErrorCode.BAD_INPUT, ErrorCode.PAYLOAD_TOO_LARGE)
+        return
+    assert 2 <= cost <= MAX_TOKENS and int(out[1].sum()) == cost  # [CLS] and [SEP] at least
+    assert not out[:, cost:].any()
