@@ -236,6 +236,7 @@ class Client(ClientCore):
     def _gather(self, request_ids: Sequence[str], timeout_s: float,
                 model: str | None) -> Iterator[tuple[str, ResultEnvelope]]:
         """``(request_id, result)`` pairs as they come (see replies.Gathering)."""
+        self._run(self._history(model))  # whose partitions the ids may be in
         gathering = self._gathering(request_ids, timeout_s, model, SyncInbox())
         try:
             while (got := self._run(gathering.next())) is not None:
@@ -359,6 +360,7 @@ class AsyncClient(ClientCore):
     async def _gather(self, request_ids: Sequence[str], timeout_s: float,
                       model: str | None) -> AsyncIterator[tuple[str, ResultEnvelope]]:
         """As :meth:`Client._gather`."""
+        await self._run(self._history(model))
         gathering = self._gathering(request_ids, timeout_s, model, AsyncInbox())
         try:
             while (got := await self._run(gathering.next())) is not None:

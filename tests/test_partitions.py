@@ -4,12 +4,18 @@ against a real redis-server."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 import zlib
 
 import pytest
 import redis
+from conftest import WorkerFactory
 from redbatch.common import protocol as p
 from redbatch.common.protocol import JobEnvelope, Keys, Lane
+from redbatch.producer import core
+from redbatch.producer.client import Client
 from redbatch.producer.core import _admit
 
 
@@ -39,10 +45,10 @@ def test_partition_of_is_crc32_of_the_id_mod_p() -> None:
 
 
 def test_history_parses_and_candidates_cover_every_count() -> None:
-    assert p.parse_partition_history(None) == (1,)
-    assert p.parse_partition_history(b"1 2 6") == (1, 2, 6)
-    assert p.parse_partition_history(b"2 1") == (1,)
-    assert p.parse_partition_history(b"x") == (1,)
+    assert p.parse_partition_history(None) == p.parse_partition_history([]) == (1,)
+    assert p.parse_partition_history([b"1", b"2", b"6"]) == (1, 2, 6)
+    assert p.parse_partition_history([b"2", b"1"]) == (1,)
+    assert p.parse_partition_history([b"x"]) == (1,)
     # crc32("a") = 0xE8B7BE43: mod 1, 2, 6 = 0, 1, 3; newest P first.
     assert p.candidate_partitions("a", (1, 2, 6)) == [3, 1, 0]
     assert p.candidate_partitions("abc", (1, 2, 6)) == [0]  # 0 under every count
@@ -51,15 +57,14 @@ def test_history_parses_and_candidates_cover_every_count() -> None:
 def test_raise_script_only_raises_and_keeps_the_history(r: redis.Redis) -> None:
     key = Keys("m").partitions()
     raise_to = r.register_script(p.RAISE_PARTITIONS_SCRIPT)
-    assert raise_to([key], [1]) == b"1"
-    assert r.get(key) is None  # raising to today's P writes nothing
-    assert raise_to([key], [2]) == b"1 2"
-    assert raise_to([key], [6]) == b"1 2 6"
+    assert raise_to([key], [1]) == [] and not r.exists(key)  # today's P: nothing written
+    assert raise_to([key], [2]) == [b"1", b"2"]
+    assert raise_to([key], [6]) == [b"1", b"2", b"6"]
     with pytest.raises(redis.ResponseError, match="LOWER_PARTITIONS P is 6"):
         raise_to([key], [3])
     with pytest.raises(redis.ResponseError, match="BAD_CALL"):
         raise_to([key], [p.MAX_PARTITIONS + 1])
-    assert p.parse_partition_history(r.get(key)) == (1, 2, 6)
+    assert p.parse_partition_history(r.lrange(key, 0, -1)) == (1, 2, 6)
 
 
 def _job(rid: str) -> JobEnvelope:
@@ -84,3 +89,82 @@ def test_admission_status_and_cancel_take_a_partitions_keys(r: redis.Redis) -> N
     odd = [key.replace("{m#3}", "{m#03}") for key in mixed.keys]
     with pytest.raises(redis.ResponseError, match="BAD_CALL"):
         r.eval(p.ADMIT_SCRIPT, len(odd), *odd, *mixed.args)
+
+
+MODEL = "null_tensor"
+CLI = [sys.executable, "-m", "redbatch.cli"]
+FOUR = b"\0" * 16  # four float32 zeros: null_tensor's input
+
+
+def _set_partitions(r: redis.Redis, count: int) -> bytes:
+    return r.eval(p.RAISE_PARTITIONS_SCRIPT, 1, Keys(MODEL).partitions(), count)
+
+
+def test_three_partitions_two_workers_answer_every_job(redis_url: str, r: redis.Redis,
+                                                       start_worker: WorkerFactory) -> None:
+    _set_partitions(r, 3)
+    for _ in range(2):  # few jobs in flight each, so that neither takes them all
+        start_worker("--max-inflight", "4", "--max-batch-size", "2", model=MODEL)
+    with Client(redis_url, model=MODEL) as client:
+        handles = client.submit_many([FOUR] * 90, timeout_s=60)
+        ids = [h.request_id for h in handles]
+        results = client.results(ids, timeout_s=60)
+        assert [res.request_id for res in results] == ids and all(res.ok for res in results)
+        assert client.status(ids[0]).state is p.JobState.DONE
+    parts = {p.partition_of(rid, 3) for rid in ids}
+    assert parts == {0, 1, 2}
+    for rid in ids:  # each answer in its own partition's keys, none elsewhere
+        mine = Keys(MODEL).of(rid, 3)
+        assert r.exists(mine.result(rid))
+        assert not any(r.exists(Keys(MODEL, partition=q).result(rid)) for q in range(3)
+                       if q != mine.partition)
+    assert len({res.worker for res in results}) == 2, "both workers answered"
+    for q in range(3):  # every entry acknowledged and deleted, in both lanes
+        assert all(r.xlen(Keys(MODEL, partition=q).stream(lane)) == 0 for lane in Lane)
+
+
+def _answered_once(r: redis.Redis, rid: str, history: tuple[int, ...]) -> bool | None:
+    """True: one answer, in one of the id's candidate partitions; None: not yet; False:
+    more than one answer, or answers in two partitions."""
+    lengths = [r.llen(Keys(MODEL, partition=q).done(rid))
+               for q in p.candidate_partitions(rid, history)]
+    if sum(lengths) == 0:
+        return None
+    return sorted(lengths)[-1] == 1 == sum(lengths)
+
+
+def test_raising_partitions_while_jobs_queue_and_come_loses_nothing(
+        redis_url: str, r: redis.Redis, start_worker: WorkerFactory,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """P from 2 to 6 (the CLI) while jobs wait and more are submitted: every accepted id is
+    answered exactly once (one envelope on its done list), in its own partition."""
+    monkeypatch.setattr(core, "PARTITIONS_REFRESH_S", 0.3)  # this client; workers: 5 s
+    _set_partitions(r, 2)
+    ids: list[str] = []
+    with Client(redis_url, model=MODEL) as client:
+        queued = client.submit_jobs([client.job(FOUR) for _ in range(60)])  # no worker yet
+        ids += [h.request_id for h in queued]
+        for _ in range(2):
+            start_worker("--max-inflight", "8", "--max-batch-size", "4", model=MODEL)
+        started = time.monotonic()
+        raised = False
+        while time.monotonic() - started < 8:
+            ids += [h.request_id for h in client.submit_jobs([client.job(FOUR)
+                                                              for _ in range(10)])]
+            if not raised and time.monotonic() - started > 1.5:
+                out = subprocess.run([*CLI, "partitions", "--model", MODEL, "--set", "6",
+                                      "--redis", redis_url], capture_output=True, text=True)
+                assert out.returncode == 0 and '"history": [1, 2, 6]' in out.stdout, out
+                raised = True
+            time.sleep(0.05)
+    history = (1, 2, 6)
+    assert len(set(ids)) == len(ids) > 300
+    assert {Keys(MODEL).of(rid, 6).partition for rid in ids[-50:]} - {0, 1}, "new partitions"
+    deadline = time.monotonic() + 90
+    while (missing := [rid for rid in ids if _answered_once(r, rid, history) is None]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not missing, f"{len(missing)} of {len(ids)} ids never answered"
+    assert all(_answered_once(r, rid, history) for rid in ids), "an id answered twice"
+    for q in range(6):
+        assert all(r.xlen(Keys(MODEL, partition=q).stream(lane)) == 0 for lane in Lane)

@@ -89,6 +89,7 @@ from redbatch.common.protocol.keys import (
     new_request_id,
     parse_job_stream,
     partition_of,
+    stream_partition,
     valid_request_id,
     validate_name,
 )
@@ -192,6 +193,7 @@ __all__ = [
     "packb",
     "parse_job_stream",
     "partition_of",
+    "stream_partition",
     "MAX_PARTITIONS",
     "PARTITION_SEP",
     "RAISE_PARTITIONS_SCRIPT",

@@ -126,8 +126,8 @@ class Keys:
         return self.part(partition_of(request_id, partitions))
 
     def partitions(self) -> str:
-        """String key (model-wide, partition 0's slot) holding the model's partition
-        history: the counts P it had, ascending, space-separated; the last is P now."""
+        """List (model-wide, partition 0's slot) of the model's partition history: the
+        counts P it had, ascending, in decimal; the last is P now."""
         return f"{self.prefix}:{{{self.model}}}:partitions"
 
     def stream(self, lane: Lane) -> str:
@@ -183,6 +183,18 @@ class Keys:
     def recent(self) -> str:
         """List of the newest RECENT_MAX results' msgpack RecentResult records, newest first."""
         return f"{self._base}:recent"
+
+
+_STREAM_TAIL_RE = re.compile(r"\{[^{}#]+(?:#([1-9][0-9]*))?\}:jobs:([a-z]+)$")
+
+
+def stream_partition(key: str) -> tuple[int, Lane]:
+    """``(partition, lane)`` of a job stream key :meth:`Keys.stream` made (ValueError for
+    another key)."""
+    m = _STREAM_TAIL_RE.search(key)
+    if m is None:
+        raise ValueError(f"not a job stream: {key!r:.200}")
+    return int(m.group(1) or 0), Lane(m.group(2))
 
 
 def job_stream_pattern(prefix: str) -> str:
