@@ -126,6 +126,11 @@ class Client(ClientCore):
             self._start_readers()
         return [self._handle(job) for job in admitted_jobs(jobs, admitted)]
 
+    def partitions(self, model: str | None = None) -> tuple[int, ...]:
+        """The model's partition history, oldest count first; the last is its count now
+        (PROTOCOL.md "Partitions"; read again when older than 5 s)."""
+        return self._run(self._history(model))
+
     def status(self, request_id: str, *, model: str | None = None) -> JobStatus:
         """Where the job is: ``state`` is queued, running (taken by a worker: ``worker``
         and ``deliveries`` say which and how often), done, failed, cancelled or unknown,

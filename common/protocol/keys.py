@@ -94,7 +94,8 @@ class Keys:
 
     All keys carry the model name as a Redis Cluster hash tag (``{model}``) so
     one model's streams and results live in one slot, which lets the worker
-    write a result and acknowledge its job in one MULTI/EXEC.
+    write a result and acknowledge its job in one MULTI/EXEC. Partition p > 0 of the
+    model (PROTOCOL.md "Partitions") has the same keys under the tag ``{model#p}``.
     """
 
     model: str
