@@ -15,10 +15,12 @@ from redbatch.common import protocol as p
 from redbatch.common.protocol import AnswerKeys, DeadLetters, JobEnvelope, Keys, Lane, ReplyList
 from redbatch.common.redis_io import connect
 from redbatch.gpu_worker.transaction import Commands
+from redbatch.producer import core
 from redbatch.producer.client import Client
 from redbatch.producer.core import _admit
 from redis.crc import key_slot
 from spawned_workers import spawned_workers
+from test_partitions import raise_while_submitting
 
 MODEL = "null_tensor"
 FOUR = b"\0" * 16
@@ -83,3 +85,14 @@ def test_three_partitions_on_a_cluster_two_workers_answer_every_job(
             assert len(consumers) == 2, (q, lane, consumers)
     for q in range(3):
         assert all(rc.xlen(Keys(MODEL, partition=q).stream(lane)) == 0 for lane in Lane)
+
+
+def test_raising_partitions_on_a_cluster_while_jobs_queue_and_come_loses_nothing(
+        cluster: LocalCluster, rc: redis.Redis, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on one Redis (test_partitions.py): P from 2 to 6 while jobs wait and come; the
+    six partitions spread over the three masters."""
+    monkeypatch.setattr(core, "PARTITIONS_REFRESH_S", 0.3)
+    with spawned_workers(tmp_path) as start:
+        raise_while_submitting(cluster.url, rc, lambda: start(
+            cluster.url, "--max-inflight", "8", "--max-batch-size", "4", model=MODEL))

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -143,13 +144,20 @@ def test_raising_partitions_while_jobs_queue_and_come_loses_nothing(
     """P from 2 to 6 (the CLI) while jobs wait and more are submitted: every accepted id is
     answered exactly once (one envelope on its done list), in its own partition."""
     monkeypatch.setattr(core, "PARTITIONS_REFRESH_S", 0.3)  # this client; workers: 5 s
+    raise_while_submitting(redis_url, r, lambda: start_worker(
+        "--max-inflight", "8", "--max-batch-size", "4", model=MODEL))
+
+
+def raise_while_submitting(url: str, r: redis.Redis, start: Callable[[], object]) -> None:
+    """Queue jobs under P = 2, start two workers (``start``, twice), submit for 8 s and
+    raise P to 6 with the CLI 1.5 s in; then check every id answered once, where it went."""
     _set_partitions(r, 2)
     ids: list[str] = []
-    with Client(redis_url, model=MODEL) as client:
+    with Client(url, model=MODEL) as client:
         queued = client.submit_jobs([client.job(FOUR) for _ in range(60)])  # no worker yet
         ids += [h.request_id for h in queued]
         for _ in range(2):
-            start_worker("--max-inflight", "8", "--max-batch-size", "4", model=MODEL)
+            start()
         started = time.monotonic()
         raised = False
         while time.monotonic() - started < 8:
@@ -157,7 +165,7 @@ def test_raising_partitions_while_jobs_queue_and_come_loses_nothing(
                                                               for _ in range(10)])]
             if not raised and time.monotonic() - started > 1.5:
                 out = subprocess.run([*CLI, "partitions", "--model", MODEL, "--set", "6",
-                                      "--redis", redis_url], capture_output=True, text=True)
+                                      "--redis", url], capture_output=True, text=True)
                 assert out.returncode == 0 and '"history": [1, 2, 6]' in out.stdout, out
                 raised = True
             time.sleep(0.05)
