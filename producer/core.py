@@ -219,11 +219,19 @@ class ClientCore:
 
     def _set_queue_limit(self, lane: Lane | str, max_jobs: int | None,
                          model: str | None) -> Steps[None]:
-        """Set (or, for None, remove) the lane's bound in the model's limits hash."""
+        """Set (or, for None, remove) the lane's bound in the limits hash of every partition
+        of the model (a bound holds per partition: PROTOCOL.md "Partitions")."""
         if max_jobs is not None and (isinstance(max_jobs, bool) or max_jobs < 0):
             raise ValueError(f"max_jobs must be a non-negative int or None, not {max_jobs!r}")
-        key, field = self.keys(model).limits(), Lane(lane).value
-        yield Command(("HDEL", key, field) if max_jobs is None else ("HSET", key, field, max_jobs))
+        count = (yield from self._history(model))[-1]
+        field = Lane(lane).value
+        calls = tuple(Command(("HDEL", key, field) if max_jobs is None
+                              else ("HSET", key, field, max_jobs))
+                      for key in (self.keys(model).part(p).limits() for p in range(count)))
+        if len(calls) == 1:
+            yield calls[0]
+        else:
+            yield Pipelined(calls)
 
     def _queue_state(self, lane: Lane | str, model: str | None) -> Steps[QueueState]:
         """The lane's backlog (XLEN of its stream) and bound, in one round trip."""

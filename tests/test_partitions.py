@@ -17,7 +17,7 @@ from conftest import WorkerFactory
 from redbatch.common import protocol as p
 from redbatch.common.protocol import JobEnvelope, Keys, Lane
 from redbatch.producer import core
-from redbatch.producer.client import Client
+from redbatch.producer.client import Client, QueueFull
 from redbatch.producer.core import _admit
 
 
@@ -195,3 +195,24 @@ def test_score_refuses_a_partitioned_model_in_one_line(redis_url: str, r: redis.
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "several partitions" in out.stderr, out
     assert "Traceback" not in out.stderr
+
+
+def test_a_queue_bound_is_set_in_every_partition_and_holds_in_each(
+        redis_url: str, r: redis.Redis) -> None:
+    """``set_queue_limit`` writes every partition's limits hash; the admission script
+    counts the partition's own stream (no worker: every admitted job stays queued)."""
+    _set_partitions(r, 3)
+    with Client(redis_url, model=MODEL) as client:
+        client.set_queue_limit(Lane.BULK, 2)
+        assert [r.hget(Keys(MODEL, partition=q).limits(), "bulk") for q in range(3)] == [b"2"] * 3
+        admitted, refused = 0, 0
+        for i in range(40):  # fixed ids: at least 2 in each of the three partitions
+            try:
+                client.submit(FOUR, lane=Lane.BULK, request_id=f"bound-{i}")
+                admitted += 1
+            except QueueFull:
+                refused += 1
+        assert admitted == 6 and refused == 34, (admitted, refused)
+        client.set_queue_limit(Lane.BULK, None)
+        assert not any(r.hexists(Keys(MODEL, partition=q).limits(), "bulk") for q in range(3))
+    assert [r.xlen(Keys(MODEL, partition=q).stream(Lane.BULK)) for q in range(3)] == [2] * 3
