@@ -319,8 +319,11 @@ class ClientCore:
         """The wait for ``request_ids`` of ``model``, through ``inbox`` (see replies.py)."""
         name = self.keys(model).model
         waits = [w for w in self.reply_waits.values() if w.keys.model == name]
-        return Gathering(waits, lambda rid: self._job_keys(name, rid), request_ids, timeout_s,
-                         inbox)
+        history = self._histories.get(name, ((1,), 0.0))[0]
+        keys = self.keys(name)
+        return Gathering(waits, lambda rid: [keys.part(p) for p in
+                                             candidate_partitions(rid, history)],
+                         request_ids, timeout_s, inbox)
 
 
 def admitted_jobs(jobs: Sequence[JobEnvelope], admitted: Sequence[str]) -> list[JobEnvelope]:

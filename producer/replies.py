@@ -327,9 +327,10 @@ class Gathering:
     submitted naming the list are awaited one by one per request (``wait.py``). All within
     ``timeout_s``; :meth:`close` when done. With partitions (PROTOCOL.md "Partitions") the
     client has a reply list per partition (``waits``): each takes the ids submitted naming
-    it; the others are read at the keys ``keys_of`` gives."""
+    it; the others are read at the keys ``keys_of`` gives: those of each partition the id
+    may be in, newest partition count first."""
 
-    def __init__(self, waits: Sequence[ReplyWaits], keys_of: Callable[[str], Keys],
+    def __init__(self, waits: Sequence[ReplyWaits], keys_of: Callable[[str], list[Keys]],
                  ids: Sequence[str], timeout_s: float, inbox: Inbox) -> None:
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
@@ -369,15 +370,31 @@ class Gathering:
                 return _unwrap(*got)
         if self._other:
             rid = self._other.popleft()
-            result = yield from wait_for_result(rid, self.keys(rid), self.timeout_s,
-                                                self.deadline)
+            keys = yield from self._locate(rid)
+            result = yield from wait_for_result(rid, keys, self.timeout_s, self.deadline)
             return rid, result
         return None
 
     def keys(self, request_id: str) -> Keys:
         """The keys of the partition the id's job is in (as far as the client knows)."""
         waits = self._waits_of.get(request_id)
-        return waits.keys if waits is not None else self._keys_of(request_id)
+        return waits.keys if waits is not None else self._keys_of(request_id)[0]
+
+    def _locate(self, request_id: str) -> Steps[Keys]:
+        """The partition of an id this client did not submit: when the partition count
+        changed, the first candidate whose owner key exists (PROTOCOL.md "Partitions"),
+        else the newest count's; one round trip then, none otherwise."""
+        candidates = ([self._waits_of[request_id].keys] if request_id in self._waits_of
+                      else self._keys_of(request_id))
+        if len(candidates) == 1:
+            return candidates[0]
+        calls = tuple(Command(("EXISTS", keys.owner(request_id))) for keys in candidates)
+        try:
+            found = yield Pipelined(calls, errors_as_replies=True)
+        except _LOST:
+            return candidates[0]
+        return next((k for k, n in zip(candidates, found, strict=True) if n == 1),
+                    candidates[0])
 
     def _read_first(self) -> Steps[None]:
         """Read the ids to read first in one MGET per partition. A finished one not found

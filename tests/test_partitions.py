@@ -216,3 +216,22 @@ def test_a_queue_bound_is_set_in_every_partition_and_holds_in_each(
         client.set_queue_limit(Lane.BULK, None)
         assert not any(r.hexists(Keys(MODEL, partition=q).limits(), "bulk") for q in range(3))
     assert [r.xlen(Keys(MODEL, partition=q).stream(Lane.BULK)) for q in range(3)] == [2] * 3
+
+
+def test_a_client_with_only_an_id_finds_its_job_after_p_rose(
+        redis_url: str, r: redis.Redis, start_worker: WorkerFactory) -> None:
+    """A job queued under P = 1 whose id falls in partition 1 under P = 3: a client that
+    did not submit it reads its status and waits for its result there (partition 0),
+    trying each count of the history."""
+    rid = "old-0"
+    assert p.partition_of(rid, 3) != 0
+    with Client(redis_url, model=MODEL) as first:
+        first.submit_jobs([first.job(FOUR, request_id=rid)])
+    _set_partitions(r, 3)
+    assert r.exists(Keys(MODEL).owner(rid))
+    with Client(redis_url, model=MODEL) as other:
+        assert other.status(rid).state is p.JobState.QUEUED
+        start_worker(model=MODEL)
+        result = other.result(rid, timeout_s=30)
+        assert result.ok and result.request_id == rid
+        assert other.status(rid).state is p.JobState.DONE
