@@ -5,6 +5,9 @@ generator of steps (see ``calls.py``): the face sends the calls and hands back t
 replies, the core turns them into request ids, a :class:`QueueState`, a result, or the
 errors of ``errors.py``. Jobs sent by ``submit`` and ``submit_many`` name the client's
 reply list of their model, on which all their waits are served together (``replies.py``).
+The module runs past 400 lines because every operation of both faces lives here, each
+also partition-aware (PROTOCOL.md "Partitions": which partition a job goes to, and where
+an id is looked for); splitting them would split what the faces share.
 """
 
 from __future__ import annotations

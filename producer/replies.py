@@ -1,4 +1,6 @@
-"""Waiting in groups: one reply list per client and model, and one reader for every wait.
+"""Waiting in groups: one reply list per client and model (and partition), and one reader
+for every wait. Past 400 lines: the reply lists' bookkeeping and the gathering wait that
+reads them follow one NOTE, with partitions (several lists per model) in both.
 
 NOTE [ Waiting in groups ]
   Every job a client submits names the client's reply list, ``Keys.reply(<client name>)``,
