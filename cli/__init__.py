@@ -65,7 +65,7 @@ def main() -> None:
 
 
 for _command in (worker.worker, calibrate.calibrate, submit.submit, score.score, queues.limit,
-                 queues.job, queues.dlq, fleet.status, fleet.top, acl.acl):
+                 queues.partitions, queues.job, queues.dlq, fleet.status, fleet.top, acl.acl):
     main.add_command(_command)
 
 __all__ = ["main"]

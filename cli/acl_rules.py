@@ -144,7 +144,14 @@ def producer_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[st
         # Which workers are alive (Client.workers, is_ready): read only.
         _selector(("zrange",), _keys(*fleets, mode="%R~")),
         _selector(("mget", "get"), _keys(*records, mode="%R~")),
+        _partitions_read(models),
     )
+
+
+def _partitions_read(models: Sequence[Keys]) -> str:
+    """Both roles read each model's partition count (PROTOCOL.md "Partitions"), read only.
+    The users cover partition 0's keys only: a model of several partitions needs more."""
+    return _selector(("lrange",), _keys(*(k.partitions() for k in models), mode="%R~"))
 
 
 _STREAM_COMMANDS = ("xgroup|create", "xgroup|delconsumer", "xreadgroup", "xclaim", "xpending",
@@ -170,6 +177,7 @@ def worker_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[str,
         _selector(("xadd", "xlen", *_CHECKS), _keys(*(k.dlq() for k in models))),
         _selector((*_ANSWER_COMMANDS, *_CHECKS), _keys(*answers)),
         _selector((*_FLEET_COMMANDS, *_CHECKS), _keys(*fleet)),
+        _partitions_read(models),
     )
 
 

@@ -9,7 +9,7 @@ letters through ``producer/dlq.py``. All act on one model's keys.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import click
 import redis
@@ -17,7 +17,14 @@ from redbatch.cli import options as o
 from redbatch.cli.errors import BadInput
 from redbatch.cli.redis_target import connect_to
 from redbatch.common.logs import setup_logging
-from redbatch.common.protocol import JobStatus, Keys, Lane, valid_request_id
+from redbatch.common.protocol import (
+    RAISE_PARTITIONS_SCRIPT,
+    JobStatus,
+    Keys,
+    Lane,
+    parse_partition_history,
+    valid_request_id,
+)
 from redbatch.producer import dlq as dead_letters
 from redbatch.producer.client import Client
 
@@ -49,6 +56,35 @@ def limit(lane: str | None, max_jobs: int | None, clear: bool, **options: Any) -
         for state in (client.queue_state(each) for each in Lane):
             click.echo(json.dumps({"model": name, "lane": state.lane.value,
                                    "max_jobs": state.bound, "queued": state.queued}))
+
+
+@click.command()
+@o.common_options
+@click.option("--set", "count", type=click.IntRange(min=1), default=None,
+              help="Raise the model's partition count to this (it can only rise).")
+def partitions(count: int | None, **options: Any) -> None:
+    """Show the model's partition count and history, or raise it (PROTOCOL.md "Partitions").
+
+    Lowering is refused: workers would stop reading the partitions past the count, and the
+    jobs queued there would never run. Raising copies partition 0's queue bounds to the
+    new partitions. Prints one JSON line.
+    """
+    setup_logging(options["log_level"])
+    r = connect_to(o.url_or_default(options), options["prefix"])
+    keys = Keys(o.served_name(options), options["prefix"])
+    before = parse_partition_history(r.lrange(keys.partitions(), 0, -1))
+    if count is not None:
+        try:
+            r.eval(RAISE_PARTITIONS_SCRIPT, 1, keys.partitions(), count)
+        except redis.ResponseError as e:
+            raise click.ClickException(str(e)) from None
+    history = parse_partition_history(r.lrange(keys.partitions(), 0, -1))
+    bounds = cast(dict[Any, Any], r.hgetall(keys.limits()))
+    for p in range(before[-1], history[-1]):
+        if bounds:
+            r.hset(keys.part(p).limits(), mapping=bounds)
+    click.echo(json.dumps({"model": keys.model, "partitions": history[-1],
+                           "history": list(history)}))
 
 
 @click.command()

@@ -33,6 +33,7 @@ from redbatch.common.protocol import (
     valid_request_id,
 )
 from redbatch.common.redis_io import StreamEntry
+from redbatch.gpu_worker.partitions import PartitionSet
 from redbatch.gpu_worker.reclaim import Reclaimer
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,10 @@ CLOCK_REFRESH_S = 30.0
 #: While bulk jobs fill their in-flight places, how long a read waits on the interactive
 #: stream alone before looking again whether bulk places came free, ms.
 BULK_RECHECK_MS = 10
+#: With several partitions an idle worker blocks on one at a time, each for its share of
+#: the block time, but at most this long, so a job in another waits little (PROTOCOL.md
+#: "Partitions"); on one partition it blocks for the whole block time, as ever.
+PARTITION_BLOCK_MAX_MS = 50
 #: Reply lists whose name was checked, remembered so that each is matched once (a client
 #: names one in all its jobs); past this many the memory starts again.
 REPLY_LISTS_KEPT = 4096
@@ -127,22 +132,45 @@ class Intake:
         # of callbacks per entry: this client is intake's own, and only intake reads.
         r.set_response_callback("XREADGROUP", _entries)
         self.keys = keys
-        self._owners = OwnerKeys(keys)
+        self.partitions = PartitionSet(r, keys)
         self.consumer = consumer
         self._max_payload = max_payload_bytes
         self._max_deliveries = max_deliveries
         self._clock = RedisClock(r)
         self.reclaimer = Reclaimer(r, consumer, reclaim_idle_ms)
         # Pending recovery cursors; a stream leaves the dict once its backlog is read.
-        self._pending_from: dict[str, bytes] = {s: b"0" for s in keys.streams()}
-        self._stream_of = {lane: keys.stream(lane) for lane in Lane}
-        self._lane_of = {stream: lane for lane, stream in self._stream_of.items()}
-        self._replies_seen: set[str] = set()
+        self._pending_from: dict[str, bytes] = {}
+        #: Each stream's partition keys and lane, for the partitions read so far.
+        self._part_of: dict[str, Keys] = {}
+        self._lane_of: dict[str, Lane] = {}
+        self._add_partitions(self.partitions.parts)
+        self._replies_seen: set[tuple[int, str]] = set()
+
+    def _add_partitions(self, added: list[Keys]) -> None:
+        """Start reading the streams of ``added`` partitions (own pending entries first)."""
+        for keys in added:
+            for lane in Lane:
+                stream = keys.stream(lane)
+                self._pending_from[stream] = b"0"
+                self._part_of[stream], self._lane_of[stream] = keys, lane
+
+    def refresh_partitions(self, force: bool = False) -> None:
+        """Read the model's partition count if due; create the group on new partitions."""
+        added = self.partitions.refresh(force)
+        if added:
+            logger.info("reading %d partitions of model %s", self.partitions.count,
+                        self.keys.model)
+            self._create_groups([s for keys in added for s in keys.streams()])
+            self._add_partitions(added)
 
     def ensure_groups(self) -> None:
         """Create the consumer group on every lane stream (from id 0, so jobs that
         were queued before any worker existed are served)."""
-        for stream in self.keys.streams():
+        self.refresh_partitions(force=True)
+        self._create_groups(self.partitions.streams())
+
+    def _create_groups(self, streams: list[str]) -> None:
+        for stream in streams:
             try:
                 self._redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
             except redis.ResponseError as e:
@@ -172,10 +200,11 @@ class Intake:
     def _read(self, count: int, bulk_count: int,
               block_ms: int) -> tuple[list[Job], list[BadEntry]]:
         self.reclaimer.renew()
+        self.refresh_partitions()
         # Entries delivered before (our own pending ones, or taken over) may be poison.
         entries = self._read_pending(count) if self.recovering else []
         if not entries:
-            entries = self.reclaimer.claim(self.keys.streams(), count)
+            entries = self.reclaimer.claim(self.partitions.streams(), count)
         deliveries = self.reclaimer.deliveries(entries)
         taken_over = bool(entries)
         if not entries:
@@ -216,8 +245,8 @@ class Intake:
         for item in claims:
             budget = item.envelope.budget_ms if isinstance(item, Job) else 0
             assert item.request_id is not None
-            self._owners.claim(pipe, item.request_id, item.entry_id, self._lane_of[item.stream],
-                               budget)
+            OwnerKeys(self._part_of[item.stream]).claim(
+                pipe, item.request_id, item.entry_id, self._lane_of[item.stream], budget)
         duplicates: set[int] = set()
         for item, reply in zip(claims, pipe.execute(raise_on_error=False), strict=True):
             owner = OwnerKeys.rival(reply, item.entry_id)
@@ -248,20 +277,36 @@ class Intake:
 
     def _read_new(self, count: int, bulk_count: int,
                   block_ms: int) -> list[tuple[str, StreamEntry]]:
-        # Interactive first, without blocking; then bulk into what room is left for it.
-        interactive, bulk = self.keys.stream(Lane.INTERACTIVE), self.keys.stream(Lane.BULK)
-        got = self._xreadgroup({interactive: ">"}, count, None)
+        # Interactive first, without blocking; then bulk into what room is left for it;
+        # each lane partition by partition, from a starting partition that turns.
+        start = self.partitions.next_turn()
+        got = self._read_lane(Lane.INTERACTIVE, count, start)
         bulk_count = min(bulk_count, count - len(got))
         if bulk_count > 0:
-            got += self._xreadgroup({bulk: ">"}, bulk_count, None)
+            got += self._read_lane(Lane.BULK, bulk_count, start)
         if got or block_ms <= 0:
             return got
         # Idle: block on both lanes; or, when bulk has no room, on interactive alone and
         # only briefly, since bulk places come free without anything arriving in Redis.
+        keys = self.partitions.parts[start]
+        if self.partitions.count > 1:  # one partition at a time (one slot per call)
+            block_ms = max(1, min(block_ms // self.partitions.count, PARTITION_BLOCK_MAX_MS))
         if bulk_count > 0:
-            return self._xreadgroup({interactive: ">", bulk: ">"}, min(count, bulk_count),
+            return self._xreadgroup({keys.stream(Lane.INTERACTIVE): ">",
+                                     keys.stream(Lane.BULK): ">"}, min(count, bulk_count),
                                     block_ms)
-        return self._xreadgroup({interactive: ">"}, count, min(block_ms, BULK_RECHECK_MS))
+        return self._xreadgroup({keys.stream(Lane.INTERACTIVE): ">"}, count,
+                                min(block_ms, BULK_RECHECK_MS))
+
+    def _read_lane(self, lane: Lane, count: int, start: int) -> list[tuple[str, StreamEntry]]:
+        """Up to ``count`` new entries of one lane, one non-blocking call per partition
+        until that many are read."""
+        got: list[tuple[str, StreamEntry]] = []
+        for stream in self.partitions.rotated(lane, start):
+            if len(got) >= count:
+                break
+            got += self._xreadgroup({stream: ">"}, count - len(got), None)
+        return got
 
     def _decode(self, stream: str, entry: StreamEntry, now_ms: float, now_s: float,
                 deliveries: int) -> Job | BadEntry:
@@ -287,12 +332,12 @@ class Intake:
         if env.model != self.keys.model:
             return BadEntry(stream, entry_id, env.request_id, ErrorCode.WRONG_MODEL,
                             f"job for model {env.model!r} on the stream of {self.keys.model!r}")
-        if self._stream_of[env.lane] != stream:
+        if self._lane_of[stream] is not env.lane:
             # The batcher schedules by the envelope's lane: a mislabelled bulk job would
             # jump the interactive queue.
             return BadEntry(stream, entry_id, env.request_id, ErrorCode.WRONG_LANE,
                             f"job for lane {env.lane.value!r} on the stream {stream!r}")
-        if env.reply_to is not None and not self._is_reply(env.reply_to):
+        if env.reply_to is not None and not self._is_reply(env.reply_to, stream):
             # Never let a job make the worker write to an arbitrary key.
             return BadEntry(stream, entry_id, env.request_id, ErrorCode.BAD_ENVELOPE,
                             f"reply_to {env.reply_to[:100]!r} is not a reply key of this model")
@@ -303,16 +348,18 @@ class Intake:
                             reply_to=env.reply_to)
         return _job(env, stream, entry_id, now_ms, now_s)
 
-    def _is_reply(self, key: str) -> bool:
-        """``keys.is_reply``, remembered for the reply lists seen lately (each client has
-        one, named in all its jobs), so that the pattern is matched once per list."""
-        if key in self._replies_seen:
+    def _is_reply(self, key: str, stream: str) -> bool:
+        """``keys.is_reply`` of the stream's partition (a job names a reply list of its own
+        partition), remembered for the reply lists seen lately (each client has one per
+        partition, named in all its jobs there), so that the pattern is matched once."""
+        keys = self._part_of[stream]
+        if (keys.partition, key) in self._replies_seen:
             return True
-        if not self.keys.is_reply(key):
+        if not keys.is_reply(key):
             return False
         if len(self._replies_seen) >= REPLY_LISTS_KEPT:
             self._replies_seen.clear()
-        self._replies_seen.add(key)
+        self._replies_seen.add((keys.partition, key))
         return True
 
 

@@ -40,7 +40,7 @@ import queue
 import time
 from collections import Counter, deque
 
-from redbatch.common.protocol import ErrorCode, Lane
+from redbatch.common.protocol import ErrorCode, Lane, stream_partition
 from redbatch.gpu_worker.batcher import LatencyEstimator
 from redbatch.gpu_worker.events import (
     Channels,
@@ -95,8 +95,8 @@ class MainLoop:
         #: they finish in order.
         self._launched: deque[float] = deque()
         self._stop_deadline: float | None = None
-        keys = self.intake.keys
-        self._lane_of = {keys.stream(lane): lane.value for lane in Lane}
+        #: Each job stream's lane, learnt as answers come (the streams of every partition).
+        self._lane_of: dict[str, str] = {}
         self._gauges_at = 0.0
         self._burst = s.burst
 
@@ -287,6 +287,9 @@ class MainLoop:
         self.intake.reclaimer.leases.release((a.stream, a.entry_id) for a in answers)
         # Counted once written: a result that failed to write is retried, not lost.
         lane_of = self._lane_of
+        for a in answers:
+            if a.stream not in lane_of:
+                lane_of[a.stream] = stream_partition(a.stream)[1].value
         self.metrics.answered((lane_of[a.stream], a.outcome, a.timings,
                                a.dead_letter is not None) for a in answers)
         self.metrics.dead_lettered.inc(undeliverable)

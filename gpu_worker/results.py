@@ -70,6 +70,7 @@ from redbatch.common.protocol import (
     Status,
     dead_letter,
     own_fields,
+    stream_partition,
 )
 from redbatch.common.redis_io import REDIS_ERRORS, RedisRefused, RedisUnavailable, error_code
 from redbatch.gpu_worker.intake import BadEntry, Job
@@ -191,6 +192,8 @@ class ResultWriter:
         #: Monotonic time from which the next flush pushes onto the recent list in full
         #: (LPUSH, LTRIM, PEXPIRE); before it, an LPUSHX alone.
         self._recent_upkeep_at = 0.0
+        #: The writers of the model's other partitions, made as their answers come.
+        self._siblings: dict[int, ResultWriter] = {keys.partition: self}
 
     # ------------------------------------------------------------------ envelopes
 
@@ -257,8 +260,35 @@ class ResultWriter:
     # ------------------------------------------------------------------ writing
 
     def write_and_ack(self, answers: Sequence[Answer]) -> Flushed:
-        """Write every result, then XACK and XDEL every entry, in one transaction (see
-        NOTE [ Write failures ]).
+        """Write every result, then XACK and XDEL every entry, in one transaction per
+        partition (its keys share one slot; PROTOCOL.md "Partitions"). A failure raises
+        as below, though partitions written before it stay written: the retry writes their
+        answers again, which the answer keys take as a taken-over job's second answer."""
+        by_part: dict[int, list[Answer]] = {}
+        for answer in answers:
+            by_part.setdefault(stream_partition(answer.stream)[0], []).append(answer)
+        if len(by_part) == 1:
+            return self._sibling(next(iter(by_part)))._write_and_ack(answers)
+        held: list[Answer] = []
+        undeliverable = 0
+        for part, group in by_part.items():
+            flushed = self._sibling(part)._write_and_ack(group)
+            held += flushed.held
+            undeliverable += flushed.undeliverable
+        return Flushed(held, undeliverable)
+
+    def _sibling(self, partition: int) -> ResultWriter:
+        """The writer of one partition of the model (this one for its own)."""
+        writer = self._siblings.get(partition)
+        if writer is None:
+            writer = ResultWriter(self._redis, self.keys.part(partition), self.worker,
+                                  self._ttl_ms // 1000)
+            self._siblings[partition] = writer
+        return writer
+
+    def _write_and_ack(self, answers: Sequence[Answer]) -> Flushed:
+        """Write every result of one partition, then XACK and XDEL every entry, in one
+        transaction (see NOTE [ Write failures ]).
 
         Raises RedisUnavailable or RedisRefused; then nothing was written or acknowledged
         and the caller may retry the same answers. Returns the answers it held back.

@@ -43,6 +43,7 @@ from redbatch.common.protocol import (
     JobEnvelope,
     Lane,
     OwnerKeys,
+    RedbatchError,
     ReplyList,
     ResultEnvelope,
 )
@@ -116,7 +117,12 @@ class BulkScorer:
     # ------------------------------------------------------------------ main loop
 
     def run(self, items: Iterator[Item]) -> bool:
-        """Score every item; True when all were written, False when stopped early."""
+        """Score every item; True when all were written, False when stopped early. Raises
+        RedbatchError for a model of several partitions (its run's reply list, owners and
+        answers are partition 0's: scoring is not partition-aware yet)."""
+        if self.client.partitions()[-1] > 1:
+            raise RedbatchError(f"model {self.client.model} has several partitions: score "
+                             "does not serve partitioned models yet")
         pending = self._unseen(items)
         drain_until: float | None = None
         while not self.aborting.is_set():

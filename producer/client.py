@@ -126,6 +126,11 @@ class Client(ClientCore):
             self._start_readers()
         return [self._handle(job) for job in admitted_jobs(jobs, admitted)]
 
+    def partitions(self, model: str | None = None) -> tuple[int, ...]:
+        """The model's partition history, oldest count first; the last is its count now
+        (PROTOCOL.md "Partitions"; read again when older than 5 s)."""
+        return self._run(self._history(model))
+
     def status(self, request_id: str, *, model: str | None = None) -> JobStatus:
         """Where the job is: ``state`` is queued, running (taken by a worker: ``worker``
         and ``deliveries`` say which and how often), done, failed, cancelled or unknown,
@@ -236,6 +241,7 @@ class Client(ClientCore):
     def _gather(self, request_ids: Sequence[str], timeout_s: float,
                 model: str | None) -> Iterator[tuple[str, ResultEnvelope]]:
         """``(request_id, result)`` pairs as they come (see replies.Gathering)."""
+        self._run(self._history(model))  # whose partitions the ids may be in
         gathering = self._gathering(request_ids, timeout_s, model, SyncInbox())
         try:
             while (got := self._run(gathering.next())) is not None:
@@ -359,6 +365,7 @@ class AsyncClient(ClientCore):
     async def _gather(self, request_ids: Sequence[str], timeout_s: float,
                       model: str | None) -> AsyncIterator[tuple[str, ResultEnvelope]]:
         """As :meth:`Client._gather`."""
+        await self._run(self._history(model))
         gathering = self._gathering(request_ids, timeout_s, model, AsyncInbox())
         try:
             while (got := await self._run(gathering.next())) is not None:

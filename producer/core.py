@@ -5,6 +5,9 @@ generator of steps (see ``calls.py``): the face sends the calls and hands back t
 replies, the core turns them into request ids, a :class:`QueueState`, a result, or the
 errors of ``errors.py``. Jobs sent by ``submit`` and ``submit_many`` name the client's
 reply list of their model, on which all their waits are served together (``replies.py``).
+The module runs past 400 lines because every operation of both faces lives here, each
+also partition-aware (PROTOCOL.md "Partitions": which partition a job goes to, and where
+an id is looked for); splitting them would split what the faces share.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis
@@ -25,16 +28,20 @@ from redbatch.common.protocol import (
     MAX_CONTENT_TYPE_BYTES,
     QUEUE_FULL_REPLY,
     STATUS_SCRIPT,
+    UNKNOWN_REPLY,
     JobEnvelope,
+    JobState,
     JobStatus,
     Keys,
     Lane,
     ProtocolError,
     WorkerRecord,
+    candidate_partitions,
     error_reply_code,
     job_status,
     new_request_id,
     owner_ttl_ms,
+    parse_partition_history,
     parse_queue_bound,
     valid_request_id,
 )
@@ -42,6 +49,9 @@ from redbatch.common.protocol.payloads import encode_payload
 from redbatch.producer.calls import Arg, Command, Inbox, Pipelined, Script, Steps
 from redbatch.producer.errors import DuplicateRequestId, QueueFull, ResultUnreadable
 from redbatch.producer.replies import Gathering, ReplyWaits
+
+PARTITIONS_REFRESH_S = 5.0
+"""How long the client trusts the partition count it read (PROTOCOL.md "Partitions")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +80,11 @@ class ClientCore:
         self.max_payload_bytes = max_payload_bytes
         #: Random per instance: the NAME of the client's reply lists (``Keys.reply``).
         self.name = f"client-{uuid.uuid4().hex[:16]}"
-        #: The client's reply lists, by model, made at the first submit naming one.
+        #: The client's reply lists, by partition tag (``Keys.tag``: the model's name for
+        #: partition 0), made at the first submit naming one.
         self.reply_waits: dict[str, ReplyWaits] = {}
+        #: Each model's partition history and when it was read (monotonic s).
+        self._histories: dict[str, tuple[tuple[int, ...], float]] = {}
 
     def keys(self, model: str | None = None) -> Keys:
         """The keys of ``model`` (default: the client's) under the client's prefix."""
@@ -127,17 +140,55 @@ class ClientCore:
             waits = self.reply_waits.setdefault(name, ReplyWaits(self.keys(name), self.name))
         return None if waits.polling else waits.key
 
+    def _waits_for(self, keys: Keys) -> ReplyWaits:
+        """The client's reply list of one partition of a model."""
+        waits = self.reply_waits.get(keys.tag)
+        if waits is None:
+            waits = self.reply_waits.setdefault(keys.tag, ReplyWaits(keys, self.name))
+        return waits
+
+    def _history(self, model: str | None) -> Steps[tuple[int, ...]]:
+        """The model's partition history, read again when older than PARTITIONS_REFRESH_S."""
+        keys = self.keys(model)
+        cached = self._histories.get(keys.model)
+        if cached is not None and time.monotonic() - cached[1] < PARTITIONS_REFRESH_S:
+            return cached[0]
+        history = parse_partition_history((yield Command(("LRANGE", keys.partitions(), 0, -1))))
+        self._histories[keys.model] = (history, time.monotonic())
+        return history
+
+    def _job_keys(self, model: str | None, request_id: str) -> Keys:
+        """The keys of the partition ``request_id`` goes to under the count last read."""
+        keys = self.keys(model)
+        history = self._histories.get(keys.model, ((1,), 0.0))[0]
+        return keys.of(request_id, history[-1])
+
+    def _place(self, jobs: Sequence[JobEnvelope]) -> list[JobEnvelope]:
+        """The jobs, each naming the client's reply list of its own partition where it
+        named the client's list of partition 0 (``_reply_to``)."""
+        placed = []
+        for job in jobs:
+            keys = self._job_keys(job.model, job.request_id)
+            first = self.reply_waits.get(job.model)
+            if keys.partition and first is not None and job.reply_to == first.key:
+                waits = self._waits_for(keys)
+                job = replace(job, reply_to=None if waits.polling else waits.key)
+            placed.append(job)
+        return placed
+
     def _record(self, jobs: Sequence[JobEnvelope]) -> None:
         """Remember the jobs that name the client's reply list, before they are sent."""
+        by_key = {waits.key: waits for waits in self.reply_waits.values()}
         for job in jobs:
-            waits = self.reply_waits.get(job.model)
-            if waits is not None and job.reply_to == waits.key:
+            waits = by_key.get(job.reply_to or "")
+            if waits is not None:
                 waits.record([job.request_id])
 
     def _refused(self, jobs: Sequence[JobEnvelope], replies: Sequence[object]) -> None:
         """Forget the jobs an error reply says were not queued."""
+        by_key = {waits.key: waits for waits in self.reply_waits.values()}
         for job, reply in zip(jobs, replies, strict=True):
-            waits = self.reply_waits.get(job.model)
+            waits = by_key.get(job.reply_to or "")
             if waits is not None and isinstance(reply, redis.ResponseError):
                 waits.forget([job.request_id])
 
@@ -150,10 +201,13 @@ class ClientCore:
         jobs), pipelined when there are several; returns the admitted request ids."""
         if not jobs:
             return []
+        for model in dict.fromkeys(job.model for job in jobs):
+            yield from self._history(model)
+        jobs = self._place(jobs)
         self._record(jobs)
-        groups = _admission_groups(jobs)
-        calls = tuple(_admit(self.keys(jobs[group[0]].model), [jobs[i] for i in group])
-                      for group in groups)
+        keys = [self._job_keys(job.model, job.request_id) for job in jobs]
+        groups = _admission_groups(jobs, [k.partition for k in keys])
+        calls = tuple(_admit(keys[group[0]], [jobs[i] for i in group]) for group in groups)
         replies: list[object]
         if len(calls) > 1:
             replies = yield Pipelined(calls, errors_as_replies=True)
@@ -168,11 +222,19 @@ class ClientCore:
 
     def _set_queue_limit(self, lane: Lane | str, max_jobs: int | None,
                          model: str | None) -> Steps[None]:
-        """Set (or, for None, remove) the lane's bound in the model's limits hash."""
+        """Set (or, for None, remove) the lane's bound in the limits hash of every partition
+        of the model (a bound holds per partition: PROTOCOL.md "Partitions")."""
         if max_jobs is not None and (isinstance(max_jobs, bool) or max_jobs < 0):
             raise ValueError(f"max_jobs must be a non-negative int or None, not {max_jobs!r}")
-        key, field = self.keys(model).limits(), Lane(lane).value
-        yield Command(("HDEL", key, field) if max_jobs is None else ("HSET", key, field, max_jobs))
+        count = (yield from self._history(model))[-1]
+        field = Lane(lane).value
+        calls = tuple(Command(("HDEL", key, field) if max_jobs is None
+                              else ("HSET", key, field, max_jobs))
+                      for key in (self.keys(model).part(p).limits() for p in range(count)))
+        if len(calls) == 1:
+            yield calls[0]
+        else:
+            yield Pipelined(calls)
 
     def _queue_state(self, lane: Lane | str, model: str | None) -> Steps[QueueState]:
         """The lane's backlog (XLEN of its stream) and bound, in one round trip."""
@@ -202,8 +264,24 @@ class ClientCore:
 
     def _status(self, request_id: str, model: str | None) -> Steps[JobStatus]:
         """Where the job is, from what Redis holds: one run of the status script (see
-        NOTE [ Status and cancel ] in common/protocol/lifecycle.py)."""
+        NOTE [ Status and cancel ] in common/protocol/lifecycle.py), in each partition the
+        id may have gone to under the model's partition history, until one knows it."""
+        status = None
+        for keys in (yield from self._candidates(model, request_id)):
+            status = yield from self._status_in(keys, request_id)
+            if status.state is not JobState.UNKNOWN:
+                break
+        assert status is not None
+        return status
+
+    def _candidates(self, model: str | None, request_id: str) -> Steps[list[Keys]]:
+        """The keys of each partition ``request_id`` may be in, newest count first."""
         keys = _checked(self.keys(model), request_id)
+        history = yield from self._history(model)
+        return [keys.part(p) for p in candidate_partitions(request_id, history)]
+
+    def _status_in(self, keys: Keys, request_id: str) -> Steps[JobStatus]:
+        """The status script's answer in one partition."""
         call = Script([keys.result(request_id), keys.owner(request_id),
                        *(keys.stream(lane) for lane in Lane), keys.done(request_id)], [],
                       STATUS_SCRIPT)
@@ -220,22 +298,35 @@ class ClientCore:
         True when it was queued (it will never run, and a worker answers it
         ``cancelled``); False when a worker has taken it, or Redis knows no queued job of
         that id. The cancel entry names this client's reply list when the client submitted
-        the job, so that its waits hear of it at once."""
-        keys = _checked(self.keys(model), request_id)
-        waits = self.reply_waits.get(keys.model)
+        the job, so that its waits hear of it at once. Tried in each partition the id may
+        be in (``_candidates``) until one knows it."""
+        word = ""
+        for keys in (yield from self._candidates(model, request_id)):
+            word = yield from self._cancel_in(keys, request_id)
+            if word != UNKNOWN_REPLY:
+                break
+        return word == CANCELLED_REPLY
+
+    def _cancel_in(self, keys: Keys, request_id: str) -> Steps[str]:
+        """The cancel script's first reply word in one partition."""
+        waits = self.reply_waits.get(keys.tag)
         reply_to = waits.key if waits is not None and waits.submitted(request_id) else None
         marker = JobEnvelope(request_id=request_id, model=keys.model, payload=b"",
                              submitted_ms=int(time.time() * 1000), reply_to=reply_to)
         reply = yield Script([*(keys.stream(lane) for lane in Lane), keys.owner(request_id)],
                              [request_id, marker.encode()[FIELD_JOB]], CANCEL_SCRIPT)
-        word = (reply.decode() if isinstance(reply, bytes) else str(reply)).split(" ", 1)[0]
-        return word == CANCELLED_REPLY
+        return (reply.decode() if isinstance(reply, bytes) else str(reply)).split(" ", 1)[0]
 
     def _gathering(self, request_ids: Sequence[str], timeout_s: float, model: str | None,
                    inbox: Inbox) -> Gathering:
         """The wait for ``request_ids`` of ``model``, through ``inbox`` (see replies.py)."""
-        keys = self.keys(model)
-        return Gathering(self.reply_waits.get(keys.model), keys, request_ids, timeout_s, inbox)
+        name = self.keys(model).model
+        waits = [w for w in self.reply_waits.values() if w.keys.model == name]
+        history = self._histories.get(name, ((1,), 0.0))[0]
+        keys = self.keys(name)
+        return Gathering(waits, lambda rid: [keys.part(p) for p in
+                                             candidate_partitions(rid, history)],
+                         request_ids, timeout_s, inbox)
 
 
 def admitted_jobs(jobs: Sequence[JobEnvelope], admitted: Sequence[str]) -> list[JobEnvelope]:
@@ -256,12 +347,12 @@ def _checked(keys: Keys, request_id: str) -> Keys:
     return keys
 
 
-def _admission_groups(jobs: Sequence[JobEnvelope]) -> list[list[int]]:
-    """Indexes of ``jobs`` by admission call: one per model and lane, in order, with
-    MAX_ADMIT_JOBS jobs at most."""
-    by_lane: dict[tuple[str, Lane], list[int]] = {}
-    for i, job in enumerate(jobs):
-        by_lane.setdefault((job.model, Lane(job.lane)), []).append(i)
+def _admission_groups(jobs: Sequence[JobEnvelope], parts: Sequence[int]) -> list[list[int]]:
+    """Indexes of ``jobs`` by admission call: one per model, partition (``parts``, by
+    job) and lane, in order, with MAX_ADMIT_JOBS jobs at most."""
+    by_lane: dict[tuple[str, int, Lane], list[int]] = {}
+    for i, (job, part) in enumerate(zip(jobs, parts, strict=True)):
+        by_lane.setdefault((job.model, part, Lane(job.lane)), []).append(i)
     return [group[start:start + MAX_ADMIT_JOBS] for group in by_lane.values()
             for start in range(0, len(group), MAX_ADMIT_JOBS)]
 

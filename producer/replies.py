@@ -1,4 +1,6 @@
-"""Waiting in groups: one reply list per client and model, and one reader for every wait.
+"""Waiting in groups: one reply list per client and model (and partition), and one reader
+for every wait. Past 400 lines: the reply lists' bookkeeping and the gathering wait that
+reads them follow one NOTE, with partitions (several lists per model) in both.
 
 NOTE [ Waiting in groups ]
   Every job a client submits names the client's reply list, ``Keys.reply(<client name>)``,
@@ -51,7 +53,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import redis
@@ -325,17 +327,29 @@ class Gathering:
     list that were submitted a while ago (see ReplyWaits.enter); then the others awaited
     there come as the reader hands them over, in the order they finish; then the ids not
     submitted naming the list are awaited one by one per request (``wait.py``). All within
-    ``timeout_s``; :meth:`close` when done."""
+    ``timeout_s``; :meth:`close` when done. With partitions (PROTOCOL.md "Partitions") the
+    client has a reply list per partition (``waits``): each takes the ids submitted naming
+    it; the others are read at the keys ``keys_of`` gives: those of each partition the id
+    may be in, newest partition count first."""
 
-    def __init__(self, waits: ReplyWaits | None, keys: Keys, ids: Sequence[str],
-                 timeout_s: float, inbox: Inbox) -> None:
-        self.keys = keys
+    def __init__(self, waits: Sequence[ReplyWaits], keys_of: Callable[[str], list[Keys]],
+                 ids: Sequence[str], timeout_s: float, inbox: Inbox) -> None:
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
-        self._waits, self._inbox = waits, inbox
-        unique = list(dict.fromkeys(ids))
-        pending, read, other = (waits.enter(unique, inbox) if waits is not None
-                                else ([], [], unique))
+        self._inbox = inbox
+        #: The reply list each id awaited or read first was submitted naming.
+        self._waits_of: dict[str, ReplyWaits] = {}
+        pending: list[str] = []
+        read: list[str] = []
+        other = list(dict.fromkeys(ids))
+        for one in waits:
+            if not other:
+                break
+            entered, first, other = one.enter(other, inbox)
+            pending += entered
+            read += first
+            self._waits_of.update(dict.fromkeys(entered + first, one))
+        self._keys_of = keys_of
         self._pending = dict.fromkeys(pending)
         self._unread = read
         self._ready: deque[tuple[str, Outcome]] = deque()
@@ -358,35 +372,69 @@ class Gathering:
                 return _unwrap(*got)
         if self._other:
             rid = self._other.popleft()
-            result = yield from wait_for_result(rid, self.keys, self.timeout_s, self.deadline)
+            keys = yield from self._locate(rid)
+            result = yield from wait_for_result(rid, keys, self.timeout_s, self.deadline)
             return rid, result
         return None
 
-    def _read_first(self) -> Steps[None]:
-        """Read the ids to read first in one MGET. A finished one not found is waited for
-        per request; an awaited one found is taken off the reply list's waits."""
-        ids, self._unread = self._unread, []
-        args = ("MGET", *map(self.keys.result, ids))
+    def keys(self, request_id: str) -> Keys:
+        """The keys of the partition the id's job is in (as far as the client knows)."""
+        waits = self._waits_of.get(request_id)
+        return waits.keys if waits is not None else self._keys_of(request_id)[0]
+
+    def _locate(self, request_id: str) -> Steps[Keys]:
+        """The partition of an id this client did not submit: when the partition count
+        changed, the first candidate whose owner key exists (PROTOCOL.md "Partitions"),
+        else the newest count's; one round trip then, none otherwise."""
+        candidates = ([self._waits_of[request_id].keys] if request_id in self._waits_of
+                      else self._keys_of(request_id))
+        if len(candidates) == 1:
+            return candidates[0]
+        calls = tuple(Command(("EXISTS", keys.owner(request_id))) for keys in candidates)
         try:
-            raws = yield Command(args, reply_by(self.deadline))
+            found = yield Pipelined(calls, errors_as_replies=True)
         except _LOST:
-            raws = [None] * len(ids)
+            return candidates[0]
+        return next((k for k, n in zip(candidates, found, strict=True) if n == 1),
+                    candidates[0])
+
+    def _read_first(self) -> Steps[None]:
+        """Read the ids to read first in one MGET per partition. A finished one not found
+        is waited for per request; an awaited one found is taken off the reply list's
+        waits."""
+        ids, self._unread = self._unread, []
+        by_part: dict[Keys, list[str]] = {}
+        for rid in ids:
+            by_part.setdefault(self.keys(rid), []).append(rid)
+        for keys, group in by_part.items():
+            try:
+                raws = yield Command(("MGET", *map(keys.result, group)), reply_by(self.deadline))
+            except _LOST:
+                raws = [None] * len(group)
+            self._take_first(keys, group, raws)
+
+    def _take_first(self, keys: Keys, ids: list[str], raws: Sequence[object]) -> None:
         taken = []
         for rid, raw in zip(ids, raws, strict=True):
             if raw is not None:
-                self._ready.append((rid, _outcome(rid, self.keys.result(rid), raw)))
+                self._ready.append((rid, _outcome(rid, keys.result(rid), raw)))
                 if rid in self._pending:
                     del self._pending[rid]
                     taken.append(rid)
             elif rid not in self._pending:
                 self._other.appendleft(rid)
-        if taken and self._waits is not None:
-            self._waits.leave(taken, self._inbox, forget=True)
+        self._leave(taken, forget=True)
+
+    def _leave(self, ids: list[str], forget: bool = False) -> None:
+        """Unregister the inbox from ``ids`` on the reply list each was awaited on."""
+        for waits in {self._waits_of[rid] for rid in ids}:
+            waits.leave([rid for rid in ids if self._waits_of[rid] is waits], self._inbox,
+                        forget)
 
     def close(self) -> None:
         """Unregister the ids still awaited (the caller stopped waiting)."""
-        if self._waits is not None and self._pending:
-            self._waits.leave(list(self._pending), self._inbox)
+        if self._pending:
+            self._leave(list(self._pending))
             self._pending.clear()
 
 

@@ -15,7 +15,7 @@ from typing import Any, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
-from redbatch.common.redis_io import node_client, refresh_slots
+from redbatch.common.redis_io import is_cluster, node_client, refresh_slots
 from redbatch.producer.calls import Command, Outcome, Pause, Pipelined, Receive, Script, Step, Steps
 
 T = TypeVar("T")
@@ -96,6 +96,8 @@ class BlockingRunner:
         if isinstance(step, Receive):
             assert isinstance(step.inbox, SyncInbox)
             return step.inbox.receive(step.due)
+        if isinstance(step, Pipelined) and _unpipelinable(self.redis, step):
+            return [self._alone(call, step.errors_as_replies) for call in step.calls]
         if isinstance(step, Pipelined):
             pipe = self.redis.pipeline(transaction=False)
             for call in step.calls:
@@ -104,6 +106,15 @@ class BlockingRunner:
         if isinstance(step, Command) and step.due is not None:
             return self._call_by(step.due, *step.args)
         return self._send(step, self.redis)
+
+    def _alone(self, call: Command | Script, errors_as_replies: bool) -> Any:
+        """One call of a pipeline run on its own; its error is its reply if so asked."""
+        try:
+            return self._send(call, self.redis)
+        except redis.ResponseError as e:
+            if not errors_as_replies:
+                raise
+            return e
 
     def _send(self, call: Command | Script, client: redis.Redis) -> Any:
         """Send ``call`` through ``client``, or queue it there when it is a pipeline."""
@@ -169,6 +180,8 @@ class AsyncRunner:
         if isinstance(step, Receive):
             assert isinstance(step.inbox, AsyncInbox)
             return await step.inbox.receive(step.due)
+        if isinstance(step, Pipelined) and _unpipelinable(self.redis, step):
+            return [await self._alone(call, step.errors_as_replies) for call in step.calls]
         if isinstance(step, Pipelined):
             async with self.redis.pipeline(transaction=False) as pipe:
                 for call in step.calls:
@@ -177,6 +190,17 @@ class AsyncRunner:
         if isinstance(step, Script):
             return await self._script(step.text)(step.keys, step.args)
         return await self._call_by(step.due, *step.args)
+
+    async def _alone(self, call: Command | Script, errors_as_replies: bool) -> Any:
+        """One call of a pipeline run on its own; its error is its reply if so asked."""
+        try:
+            if isinstance(call, Script):
+                return await self._script(call.text)(call.keys, call.args)
+            return await self.redis.execute_command(*call.args)  # type: ignore[no-untyped-call]
+        except redis.ResponseError as e:
+            if not errors_as_replies:
+                raise
+            return e
 
     def _script(self, text: str) -> Any:
         """The registered script of ``text`` (registered once)."""
@@ -203,3 +227,9 @@ class AsyncRunner:
                 timeout)
         except TimeoutError as e:
             raise redis.TimeoutError(f"no reply to {args[0]} in time") from e
+
+
+def _unpipelinable(client: Any, step: Pipelined) -> bool:
+    """True for scripts in a pipeline on a cluster, which redis-py refuses to pipeline
+    (several admission calls: a submit over several partitions): they go one by one."""
+    return is_cluster(client) and any(isinstance(call, Script) for call in step.calls)

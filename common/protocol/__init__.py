@@ -80,12 +80,16 @@ from redbatch.common.protocol.keys import (
     FIELD_REQUEST_ID,
     GROUP,
     MAX_NAME_CHARS,
+    MAX_PARTITIONS,
     MAX_REQUEST_ID_CHARS,
+    PARTITION_SEP,
     Keys,
     Lane,
     job_stream_pattern,
     new_request_id,
     parse_job_stream,
+    partition_of,
+    stream_partition,
     valid_request_id,
     validate_name,
 )
@@ -102,6 +106,11 @@ from redbatch.common.protocol.lifecycle import (
     job_status,
     owner_value,
     parse_owner,
+)
+from redbatch.common.protocol.partitions import (
+    RAISE_PARTITIONS_SCRIPT,
+    candidate_partitions,
+    parse_partition_history,
 )
 from redbatch.common.protocol.request_keys import AnswerKeys, OwnerKeys, ReplyList
 
@@ -183,6 +192,13 @@ __all__ = [
     "owner_ttl_ms",
     "packb",
     "parse_job_stream",
+    "partition_of",
+    "stream_partition",
+    "MAX_PARTITIONS",
+    "PARTITION_SEP",
+    "RAISE_PARTITIONS_SCRIPT",
+    "candidate_partitions",
+    "parse_partition_history",
     "parse_queue_bound",
     "unpackb",
     "valid_request_id",

@@ -17,7 +17,7 @@ MAX_ADMIT_JOBS = 1000
 """Most jobs one call of the admission script takes."""
 
 ADMIT_SCRIPT = f"""\
--- redbatch admission script, protocol 1 (revision 4: owners name their lane)
+-- redbatch admission script, protocol 1 (revision 5: partition tags)
 -- KEYS: P:{{M}}:jobs:<lane>  P:{{M}}:limits  then P:{{M}}:owner:<request id> per job
 -- ARGV: <lane>  then per job: <owner TTL ms>  <request id>  <msgpack job envelope>
 local function bad(why) return redis.error_reply('BAD_CALL ' .. why) end
@@ -29,7 +29,8 @@ local lane = ARGV[1]
 if lane ~= 'interactive' and lane ~= 'bulk' then return bad('unknown lane') end
 local name = '[A-Za-z0-9][A-Za-z0-9_.%-]*'
 local base = KEYS[1]:match('^(.+):jobs:' .. lane .. '$') or ''
-local prefix, model = base:match('^(' .. name .. '):{{(' .. name .. ')}}$')
+local prefix, model, part = base:match('^(' .. name .. '):{{(' .. name .. ')(#?%d*)}}$')
+if part and part ~= '' and not part:find('^#[1-9]%d*$') then prefix = nil end
 if not prefix or #prefix > {MAX_NAME_CHARS} or #model > {MAX_NAME_CHARS} then
   return bad('KEYS[1] is not the stream of the lane')
 end

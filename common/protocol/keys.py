@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import uuid
+import zlib
 from dataclasses import dataclass
 from enum import Enum
 
@@ -40,6 +41,19 @@ MAX_REQUEST_ID_CHARS = 128
 # fullmatch only: "$" in re.match also matches before a trailing newline.
 _NAME_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.\-]{{0,{MAX_NAME_CHARS - 1}}}")
 _REQUEST_ID_RE = re.compile(rf"[A-Za-z0-9_.:\-]{{1,{MAX_REQUEST_ID_CHARS}}}")
+
+
+PARTITION_SEP = "#"
+"""Between the model name and the partition number in a partition's hash tag
+(``{model#3}``); no name may hold it, so no tag of one model is another model's."""
+MAX_PARTITIONS = 1024
+"""Most partitions a model may have."""
+
+
+def partition_of(request_id: str, partitions: int) -> int:
+    """The partition of a request id among ``partitions``: CRC-32 (IEEE, as zlib and
+    PROTOCOL.md "Partitions") of its ASCII bytes, mod ``partitions``."""
+    return zlib.crc32(request_id.encode("ascii")) % partitions
 
 
 class Lane(str, Enum):
@@ -80,19 +94,42 @@ class Keys:
 
     All keys carry the model name as a Redis Cluster hash tag (``{model}``) so
     one model's streams and results live in one slot, which lets the worker
-    write a result and acknowledge its job in one MULTI/EXEC.
+    write a result and acknowledge its job in one MULTI/EXEC. Partition p > 0 of the
+    model (PROTOCOL.md "Partitions") has the same keys under the tag ``{model#p}``.
     """
 
     model: str
     prefix: str = DEFAULT_PREFIX
+    #: Which partition's keys (PROTOCOL.md "Partitions"); 0's are the model's plain keys.
+    partition: int = 0
 
     def __post_init__(self) -> None:
         validate_name(self.model, "model")
         validate_name(self.prefix, "prefix")
+        if not 0 <= self.partition < MAX_PARTITIONS:
+            raise ValueError(f"partition {self.partition!r} out of 0-{MAX_PARTITIONS - 1}")
+
+    @property
+    def tag(self) -> str:
+        """The hash tag's text: the model name, or ``model#p`` for partition p > 0."""
+        return self.model if self.partition == 0 else f"{self.model}{PARTITION_SEP}{self.partition}"
 
     @property
     def _base(self) -> str:
-        return f"{self.prefix}:{{{self.model}}}"
+        return f"{self.prefix}:{{{self.tag}}}"
+
+    def part(self, partition: int) -> Keys:
+        """The keys of another partition of the same model."""
+        return Keys(self.model, self.prefix, partition)
+
+    def of(self, request_id: str, partitions: int) -> Keys:
+        """The keys of the partition ``request_id`` goes to among ``partitions``."""
+        return self.part(partition_of(request_id, partitions))
+
+    def partitions(self) -> str:
+        """List (model-wide, partition 0's slot) of the model's partition history: the
+        counts P it had, ascending, in decimal; the last is P now."""
+        return f"{self.prefix}:{{{self.model}}}:partitions"
 
     def stream(self, lane: Lane) -> str:
         """The job stream of one lane."""
@@ -149,6 +186,18 @@ class Keys:
         return f"{self._base}:recent"
 
 
+_STREAM_TAIL_RE = re.compile(r"\{[^{}#]+(?:#([1-9][0-9]*))?\}:jobs:([a-z]+)$")
+
+
+def stream_partition(key: str) -> tuple[int, Lane]:
+    """``(partition, lane)`` of a job stream key :meth:`Keys.stream` made (ValueError for
+    another key)."""
+    m = _STREAM_TAIL_RE.search(key)
+    if m is None:
+        raise ValueError(f"not a job stream: {key!r:.200}")
+    return int(m.group(1) or 0), Lane(m.group(2))
+
+
 def job_stream_pattern(prefix: str) -> str:
     """SCAN MATCH pattern for the job streams of every model under ``prefix``."""
     return f"{validate_name(prefix, 'prefix')}:{{*}}:jobs:*"
@@ -156,7 +205,7 @@ def job_stream_pattern(prefix: str) -> str:
 
 def parse_job_stream(prefix: str, key: str) -> tuple[str, Lane] | None:
     """``(model, lane)`` of a job stream key, or None for any other key."""
-    m = re.fullmatch(rf"{re.escape(prefix)}:\{{([^{{}}]+)\}}:jobs:([a-z]+)", key)
+    m = re.fullmatch(rf"{re.escape(prefix)}:\{{([^{{}}#]+)(?:#[1-9][0-9]*)?\}}:jobs:([a-z]+)", key)
     if m is None or not _NAME_RE.fullmatch(m.group(1)):
         return None
     try:

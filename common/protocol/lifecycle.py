@@ -166,7 +166,7 @@ def _bytes(value: object) -> bytes:
 
 
 STATUS_SCRIPT = f"""\
--- redbatch status script, protocol 1 (revision 2)
+-- redbatch status script, protocol 1 (revision 3: partition tags)
 -- KEYS: P:{{M}}:result:<request id>  P:{{M}}:owner:<request id>
 --       P:{{M}}:jobs:interactive  P:{{M}}:jobs:bulk  [P:{{M}}:done:<request id>]
 -- reply: result, owner, last-delivered-id, consumer, deliveries (nil when absent)
@@ -175,7 +175,8 @@ if (#KEYS ~= 4 and #KEYS ~= 5) or #ARGV ~= 0 then
 end
 local name = '[A-Za-z0-9][A-Za-z0-9_.%-]*'
 local base = KEYS[3]:match('^(.+):jobs:interactive$') or ''
-local prefix, model = base:match('^(' .. name .. '):{{(' .. name .. ')}}$')
+local prefix, model, part = base:match('^(' .. name .. '):{{(' .. name .. ')(#?%d*)}}$')
+if part and part ~= '' and not part:find('^#[1-9]%d*$') then prefix = nil end
 local rid = KEYS[1]:sub(#base + 9)
 if not prefix or #prefix > {MAX_NAME_CHARS} or #model > {MAX_NAME_CHARS}
    or KEYS[4] ~= base .. ':jobs:bulk' or KEYS[1] ~= base .. ':result:' .. rid
@@ -231,14 +232,15 @@ find (never submitted, answered and expired, or an owner without a lane). Cancel
 job again replies ``cancelled`` with the same cancel entry, so a lost reply can be retried."""
 
 CANCEL_SCRIPT = f"""\
--- redbatch cancel script, protocol 1 (revision 1)
+-- redbatch cancel script, protocol 1 (revision 2: partition tags)
 -- KEYS: P:{{M}}:jobs:interactive  P:{{M}}:jobs:bulk  P:{{M}}:owner:<request id>
 -- ARGV: <request id>  <msgpack job envelope of the cancel entry>
 local function bad(why) return redis.error_reply('BAD_CALL ' .. why) end
 if #KEYS ~= 3 or #ARGV ~= 2 then return bad('expected 3 keys and 2 arguments') end
 local name = '[A-Za-z0-9][A-Za-z0-9_.%-]*'
 local base = KEYS[1]:match('^(.+):jobs:interactive$') or ''
-local prefix, model = base:match('^(' .. name .. '):{{(' .. name .. ')}}$')
+local prefix, model, part = base:match('^(' .. name .. '):{{(' .. name .. ')(#?%d*)}}$')
+if part and part ~= '' and not part:find('^#[1-9]%d*$') then prefix = nil end
 if not prefix or #prefix > {MAX_NAME_CHARS} or #model > {MAX_NAME_CHARS} then
   return bad('KEYS[1] is not an interactive stream')
 end
