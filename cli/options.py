@@ -167,6 +167,18 @@ def common_options(f: F) -> F:
     return together(REDIS(), PREFIX(), MODEL(), MODEL_NAME(), LOG_LEVEL())(f)
 
 
+def worker_options(f: F) -> F:
+    """As :func:`common_options`, with --model repeatable: one worker serves several models
+    (REDBATCH_MODEL holds them separated by spaces)."""
+    model = MODEL(multiple=True, default=(default_of(ModelSettings, "spec"),),
+                  help="Built-in model name, TorchScript file (*.pt), or "
+                       "'package.module:factory'; give it again to serve several models "
+                       "from one worker (they share its pool and device).")
+    return together(REDIS(), PREFIX(), model, MODEL_NAME(help=(
+        "Name the model is served under (its Redis keys); default: from --model. Only "
+        "with one --model.")), LOG_LEVEL())(f)
+
+
 def private_stack_options(f: F) -> F:
     """As :func:`common_options`, for a command that starts a private stack without
     --redis (submit, score)."""

@@ -142,7 +142,7 @@ _tuning_options = together(
 
 
 @click.command()
-@o.common_options
+@o.worker_options
 @o.DEVICE()
 @_batch_options
 @_process_options
@@ -151,7 +151,8 @@ _tuning_options = together(
 @_tuning_options
 @o.LOG_FORMAT()
 def worker(**options: Any) -> None:
-    """Serve a model: read jobs, batch them, write results."""
+    """Serve a model (or several: --model A --model B): read jobs, batch them, write
+    results."""
     from redbatch.gpu_worker.malloc_tuning import reexec_with_malloc_tuning
 
     reexec_with_malloc_tuning("redbatch.cli")
@@ -183,7 +184,9 @@ def _explicit(ctx: click.Context) -> frozenset[str]:
 
 def build_settings(options: dict[str, Any]) -> Settings:
     """The one Settings object, from the worker's parsed options (flags or REDBATCH_*
-    variables); ValueError for a bad URL, prefix, model name or shm prefix."""
+    variables); ValueError for a bad URL, prefix, model name or shm prefix, or a model
+    given twice."""
+    models = _model_settings(options)
     return Settings(
         redis=RedisSettings.from_dsn(o.url_or_default(options), options["prefix"]),
         batch=BatchSettings(max_batch_size=options["max_batch_size"],
@@ -198,7 +201,8 @@ def build_settings(options: dict[str, Any]) -> Settings:
                           shm_prefix=options["shm_prefix"]),
         limits=LimitSettings(max_payload_bytes=options["max_payload_bytes"],
                              max_image_pixels=options["max_image_pixels"]),
-        model=_model_settings(options),
+        model=models[0],
+        more_models=models[1:],
         tune=TuneSettings(calibrate=options["calibrate"], profile_dir=options["profile_dir"],
                           latency_budget_ms=options["latency_budget_ms"],
                           memory_watermark=options["memory_watermark"],
@@ -217,9 +221,17 @@ def build_settings(options: dict[str, Any]) -> Settings:
     )
 
 
-def _model_settings(options: dict[str, Any]) -> ModelSettings:
-    """What to serve and how to run it, from the worker's parsed options."""
-    return ModelSettings(spec=options["model_spec"], name=o.served_name(options),
-                         device=options["device"], torch_threads=options["torch_threads"],
-                         cpu_lanes=options["cpu_lanes"], channels_last=options["channels_last"],
-                         autocast=AUTOCAST[options["autocast"]], compile=options["compile"])
+def _model_settings(options: dict[str, Any]) -> tuple[ModelSettings, ...]:
+    """What to serve and how to run it, from the worker's parsed options: one ModelSettings
+    per --model, in order, the device options the same for each."""
+    specs = options["model_spec"]
+    specs = (specs,) if isinstance(specs, str) else tuple(specs)
+    if len(specs) > 1 and options["model_name"]:
+        raise ValueError("--model-name names one model: with several --model, each is "
+                         "served under the name its --model gives")
+    return tuple(ModelSettings(spec=spec, name=o.served_name({**options, "model_spec": spec}),
+                               device=options["device"], torch_threads=options["torch_threads"],
+                               cpu_lanes=options["cpu_lanes"],
+                               channels_last=options["channels_last"],
+                               autocast=AUTOCAST[options["autocast"]], compile=options["compile"])
+                 for spec in specs)

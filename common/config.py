@@ -17,7 +17,7 @@ import os
 import re
 import socket
 import uuid
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 from urllib.parse import SplitResult, unquote_plus, urlsplit, urlunsplit
@@ -397,14 +397,32 @@ class Settings:
     #: The longest that wait may take, ms; then the worker goes on (the master has the
     #: write) and counts it in redbatch_result_waits_total{outcome="short"}.
     result_wait_ms: int = 100
+    #: Models served beside ``model`` by the same worker (``--model`` given more than once):
+    #: each with its own streams, batcher and runner, sharing the pool and the device.
+    more_models: tuple[ModelSettings, ...] = ()
 
     def __post_init__(self) -> None:
+        names = [m.served_name for m in self.models]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"model {', '.join(twice)} given twice: each model a worker "
+                             "serves needs a name of its own")
         if self.result_replicas < 0:
             raise ValueError("result_replicas must be >= 0")
         # WAIT 0 would block for ever; a wait past the socket timeout would drop the link.
         if not 1 <= self.result_wait_ms < self.redis.socket_timeout_s * 1000:
             raise ValueError(f"result_wait_ms must be >= 1 and below the socket timeout "
                              f"({self.redis.socket_timeout_s * 1000:g} ms)")
+
+    @property
+    def models(self) -> tuple[ModelSettings, ...]:
+        """Every model this worker serves, ``model`` first."""
+        return (self.model, *self.more_models)
+
+    def for_model(self, index: int) -> Settings:
+        """These settings for the ``index``-th of :attr:`models` alone: what its batcher,
+        calibration and runner are built from."""
+        return replace(self, model=self.models[index], more_models=())
 
 
 def default_of(settings_class: type[Any], name: str) -> Any:

@@ -26,6 +26,8 @@ class Read:
 
     jobs: list[Job]
     bad: list[BadEntry]
+    #: Whose streams were read: the model's index (Served.index).
+    model: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +40,8 @@ class Ran:
     batch_wait_ms: list[float]
     #: The size it ran at (padded up to a preferred size), for the latency estimator.
     run_size: int = 0
+    #: Which model ran it (Served.index).
+    model: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +51,11 @@ class DeviceLost:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
 class Idle:
-    """Intake found the streams empty (used by burst mode)."""
+    """Intake found a model's streams empty (used by burst mode)."""
+
+    model: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,28 +66,31 @@ class Written:
     answers: list[Answer]
     flushed: Flushed | None = None
     error: Exception | None = None
+    #: Whose answers: the model's index (Served.index).
+    model: int = 0
 
 
 Event = Read | Ran | DeviceLost | Idle | Written | list[PreprocDone]
 """``list[PreprocDone]``: the records of one message of the pool (one or more tasks)."""
 
 
-#: A batch for the model thread: its jobs, their batch-wait times (ms), the size to run at,
-#: and whether it is a taken-over job whose delivery must be counted before it runs.
-Launch = tuple[list[Job], list[float], int, bool]
+#: A batch for the model thread: its model's index, its jobs, their batch-wait times (ms),
+#: the size to run at, and whether it is a taken-over job whose delivery must be counted
+#: before it runs.
+Launch = tuple[int, list[Job], list[float], int, bool]
 
 
 @dataclass(slots=True)
 class Channels:
     """The queues between the main loop and its threads (NOTE [ Worker threads ] in
-    loop.py). Unbounded: the main loop launches at most the model's depth of batches, and
-    ships one write at a time."""
+    loop.py). Unbounded: the main loop launches at most the device's depth of batches, and
+    ships one write at a time per model (each model's writer has its queue: Served.outgoing)."""
 
     events: queue.Queue[Event] = field(default_factory=queue.Queue)
     batches: queue.SimpleQueue[Launch | None] = field(default_factory=queue.SimpleQueue)
-    #: Batches submitted to the model, for the collect thread: (jobs, waits, runner job).
+    #: Batches submitted to the model, for the collect thread: (model, jobs, waits, runner
+    #: job).
     collecting: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
-    outgoing: queue.SimpleQueue[list[Answer] | None] = field(default_factory=queue.SimpleQueue)
 
 
 @dataclass(slots=True)

@@ -75,6 +75,10 @@ class Job:
     cost: int = 0
     """What it costs the model (tokens, for a text model; 0 when its handler says nothing):
     the batcher groups and bounds batches by it."""
+    rows: int = 1
+    """Rows of the model's batch it fills (a text model's list of texts: one per text)."""
+    model: int = 0
+    """Which of the worker's models it is for (Served.index), set by its reader."""
 
     @property
     def request_id(self) -> str:

@@ -31,6 +31,13 @@ NOTE [ Worker threads ]
   Two more threads never touch that state: the sampler (gpu_worker/sampler.py)
   puts what Redis holds into gauges, and the metrics server answers HTTP from
   the metrics and from ``Health``, which the main loop marks on every step.
+
+  Several models (``--model A --model B``): each model has its own intake,
+  writer and sampler threads, and its own batcher, places, slots, runner and
+  outbox (startup.Served); events say whose they are. The pool's processes,
+  the model and collect threads and the device are shared: the device runs at
+  most its depth of batches at once, whichever models they are of, and its
+  turns go to the models as gpu_worker/scheduler.py says (fair in device time).
 """
 
 from __future__ import annotations
@@ -41,7 +48,6 @@ import time
 from collections import Counter, deque
 
 from redbatch.common.protocol import ErrorCode, Lane, stream_partition
-from redbatch.gpu_worker.batcher import LatencyEstimator
 from redbatch.gpu_worker.events import (
     Channels,
     Control,
@@ -53,11 +59,10 @@ from redbatch.gpu_worker.events import (
     Written,
 )
 from redbatch.gpu_worker.intake import Job
-from redbatch.gpu_worker.metrics import WorkerMetrics
-from redbatch.gpu_worker.outbox import Outbox
 from redbatch.gpu_worker.results import Answer
+from redbatch.gpu_worker.scheduler import ModelTurns
 from redbatch.gpu_worker.shaping import ShapedBatcher
-from redbatch.gpu_worker.startup import Parts
+from redbatch.gpu_worker.startup import Parts, Served
 from redbatch.preproc_worker.worker import PreprocDone, Task, preprocess_group
 
 logger = logging.getLogger(__name__)
@@ -70,27 +75,25 @@ GAUGES_EVERY_S = 1.0
 
 class MainLoop:
     """The main loop, built whole from the worker's parts (startup.build): it owns their
-    state and runs until the worker is stopped (or drained, in burst mode)."""
+    state and runs until the worker is stopped (or drained, in burst mode). With several
+    models, each has its own batcher, places, slots and outbox (startup.Served); they share
+    the pool, and the device's turns go to them as gpu_worker/scheduler.py decides."""
 
-    def __init__(self, parts: Parts, control: Control, channels: Channels,
-                 metrics: WorkerMetrics, latency: LatencyEstimator) -> None:
-        self.settings = s = parts.settings
+    def __init__(self, parts: Parts, control: Control, channels: Channels) -> None:
+        self.settings = parts.settings
         self.control = control
         self.health = control.health
-        self.metrics = metrics
-        self.latency = latency
-        self.capacity, self.batcher = parts.capacity, parts.batcher
-        self.slots, self.allocator, self.pool = parts.slots, parts.allocator, parts.pool
-        self.runner, self.intake, self.writer = parts.runner, parts.intake, parts.writer
-        self._inline = parts.inline  # the handler, when it preprocesses in this thread
+        self.models = parts.models
+        self.pool = parts.pool
+        self.turns = ModelTurns(len(self.models))
         self._events, self._batches = channels.events, channels.batches
-        self.outbox = Outbox(self.health, channels.outgoing.put)
         self.batch_sizes: Counter[int] = Counter()
         self._pending: dict[int, Job] = {}  # pool task key -> job
         self._suspects: deque[Job] = deque()  # jobs delivered before: each runs alone
         self._alone = False  # a suspect job is in the model
-        # Batches in flight at once: the runner's depth (CUDA: 2, CPU: one per lane).
-        self._model_depth = self.runner.depth
+        # Batches in flight at once on the shared device: the runners' depth (CUDA: 2,
+        # CPU: one per lane), the same for each model.
+        self._model_depth = min(m.runner.depth for m in self.models)
         #: Launch times of the batches in the model (launched, not yet Ran), oldest first:
         #: they finish in order.
         self._launched: deque[float] = deque()
@@ -98,7 +101,8 @@ class MainLoop:
         #: Each job stream's lane, learnt as answers come (the streams of every partition).
         self._lane_of: dict[str, str] = {}
         self._gauges_at = 0.0
-        self._burst = s.burst
+        self._burst = self.settings.burst
+        self._idle: set[int] = set()  # models whose streams intake found empty (burst mode)
 
     def run(self) -> None:
         """Step until stopped and drained (or the grace is over), or aborted."""
@@ -109,6 +113,11 @@ class MainLoop:
             if self.batch_sizes:
                 logger.info("batch sizes: %s", dict(sorted(self.batch_sizes.items())))
 
+    @property
+    def in_use(self) -> int:
+        """Jobs read and not yet answered, over every model."""
+        return sum(m.capacity.in_use for m in self.models)
+
     def _finished(self) -> bool:
         if self.control.aborting.is_set():
             return True
@@ -116,9 +125,9 @@ class MainLoop:
             return False
         if self._stop_deadline is None:
             self._stop_deadline = time.monotonic() + self.settings.shutdown_grace_s
-        drained = self.capacity.in_use == 0
+        drained = self.in_use == 0
         if not drained and time.monotonic() > self._stop_deadline:
-            logger.warning("shutdown grace over; %d jobs stay pending", self.capacity.in_use)
+            logger.warning("shutdown grace over; %d jobs stay pending", self.in_use)
             return True
         return drained
 
@@ -131,9 +140,10 @@ class MainLoop:
         for record in self.pool.reap():
             self._finish_preprocessing(record)
         now = time.monotonic()
-        for job in self.batcher.pop_expired(now):
-            self.outbox.add(self.writer.failed(job, ErrorCode.EXPIRED, "deadline passed "
-                                                    "before the job could run"))
+        for m in self.models:
+            for job in m.batcher.pop_expired(now):
+                m.outbox.add(m.writer.failed(job, ErrorCode.EXPIRED, "deadline passed "
+                                                                     "before the job could run"))
         if self._launched and now - self._launched[0] > self.settings.batch_timeout_s:
             # A hung CUDA call cannot be interrupted from Python; only a new process helps.
             # Checked whether or not the model is busy: with two lanes or CUDA's two batches
@@ -141,32 +151,51 @@ class MainLoop:
             self._handle(DeviceLost(f"a batch has run for over {self.settings.batch_timeout_s:g}"
                                      " s; the device or model looks hung"))
         elif not self._model_busy:
-            suspect = self._next_suspect()
-            self._launch(suspect or self.batcher.pop_ready(now), now, bool(suspect))
-        self.outbox.ship(time.monotonic())
+            if self._suspects:
+                self._launch_suspect(now)
+            else:
+                self._launch_ready(now)
+        now = time.monotonic()
+        for m in self.models:
+            m.outbox.ship(now)
         self._update_gauges(now)
 
     def _update_gauges(self, now: float) -> None:
         if now - self._gauges_at < GAUGES_EVERY_S:
             return
         self._gauges_at = now
-        # Leases, not capacity: intake holds free permits while it waits for jobs.
-        self.metrics.loop_state(len(self.intake.reclaimer.leases), self.allocator.in_use,
-                                self.pool.busy)
+        busy = self.pool.busy
+        for m in self.models:
+            # Leases, not capacity: intake holds free permits while it waits for jobs.
+            m.metrics.loop_state(len(m.intake.reclaimer.leases), m.allocator.in_use, busy)
 
-    def _next_suspect(self) -> list[Job]:
-        if not self._suspects:
-            return []
+    def _launch_suspect(self, now: float) -> None:
         self._alone = True  # nothing else in the model with it (see _model_busy)
-        return [self._suspects.popleft()]  # the model thread counts its delivery first
+        job = self._suspects.popleft()  # the model thread counts its delivery first
+        self._launch(self.models[job.model], [job], now, True)
+
+    def _launch_ready(self, now: float) -> None:
+        """The first batch due, offering the device to the models in their fair order."""
+        if len(self.models) == 1:
+            self._launch(self.models[0], self.models[0].batcher.pop_ready(now), now, False)
+            return
+        for index in self.turns.order():
+            m = self.models[index]
+            batch = m.batcher.pop_ready(now)
+            if batch:
+                self.turns.launched(index)
+                self._launch(m, batch, now, False)
+                return
 
     def _wait_s(self, now: float) -> float:
         if self._suspects and not self._model_busy:
             return 0.0
-        wakes = self.outbox.wake_times()
-        wake = self.batcher.next_wakeup(now)
-        if wake is not None and not self._model_busy:
-            wakes.append(wake)
+        wakes = [w for m in self.models for w in m.outbox.wake_times()]
+        if not self._model_busy:
+            for m in self.models:
+                wake = m.batcher.next_wakeup(now)
+                if wake is not None:
+                    wakes.append(wake)
         return max(0.0, min([w - now for w in wakes] + [MAX_IDLE_WAIT_S]))
 
     def _handle_events(self, timeout_s: float) -> None:
@@ -186,46 +215,50 @@ class MainLoop:
         if isinstance(event, list):
             self._on_preprocessed(event)
         elif isinstance(event, Read):
-            self._on_read(event)
+            self._idle.discard(event.model)
+            self._on_read(self.models[event.model], event)
         elif isinstance(event, Ran):
-            self._on_ran(event)
+            self._on_ran(self.models[event.model], event)
         elif isinstance(event, Written):
-            written, undeliverable = self.outbox.settle(event, time.monotonic())
+            m = self.models[event.model]
+            written, undeliverable = m.outbox.settle(event, time.monotonic())
             if written:
-                self._answered(written, undeliverable)
+                self._answered(m, written, undeliverable)
         elif isinstance(event, DeviceLost):
             logger.critical("device failure, exiting for a restart (jobs in flight stay "
                             "pending and are taken over): %s", event.message)
             self.control.device_failed = True
             self.control.abort()
-        elif isinstance(event, Idle) and self._burst and self.capacity.in_use == 0:
-            logger.info("burst mode: streams drained, stopping")
-            self.control.stop()
+        elif isinstance(event, Idle) and self._burst:
+            self._idle.add(event.model)
+            if len(self._idle) == len(self.models) and self.in_use == 0:
+                logger.info("burst mode: streams drained, stopping")
+                self.control.stop()
 
-    def _on_read(self, event: Read) -> None:
+    def _on_read(self, m: Served, event: Read) -> None:
         """Answer what cannot run, then hand the rest to preprocessing in one group: the
         pool's processes, or this thread for a handler whose preprocessing is trivial."""
-        self.outbox.extend(self.writer.rejected(entry) for entry in event.bad)
+        m.outbox.extend(m.writer.rejected(entry) for entry in event.bad)
         now = time.monotonic()
         jobs: list[Job] = []
         for job in event.jobs:
             if job.deadline_s is not None and job.deadline_s <= now:
-                self.outbox.add(self.writer.failed(job, ErrorCode.EXPIRED,
-                                                   "deadline passed while queued"))
+                m.outbox.add(m.writer.failed(job, ErrorCode.EXPIRED,
+                                             "deadline passed while queued"))
                 continue
-            slot = self.allocator.acquire()
+            slot = m.allocator.acquire()
             assert slot is not None, "a permit always comes with a slot"
             job.slot = slot
             jobs.append(job)
-        if self._inline is not None:
+        if m.inline is not None:
             inputs = [(j.slot, j.envelope.payload, j.envelope.content_type, j.envelope.params)
                       for j in jobs]
-            for job, (code, message, ms, cost) in zip(
-                    jobs, preprocess_group(self._inline, self.slots, inputs), strict=True):
-                self._preprocessed(job, code, message, ms, cost)
+            for job, (code, message, ms, cost, rows) in zip(
+                    jobs, preprocess_group(m.inline, m.slots, inputs), strict=True):
+                self._preprocessed(m, job, code, message, ms, cost, rows)
             return
         tasks = [Task(j.slot, j.envelope.payload, j.envelope.content_type,
-                      dict(j.envelope.params), urgent=not j.bulk) for j in jobs]
+                      dict(j.envelope.params), urgent=not j.bulk, model=m.index) for j in jobs]
         for job, key in zip(jobs, self.pool.submit_many(tasks), strict=True):
             self._pending[key] = job
 
@@ -235,14 +268,15 @@ class MainLoop:
             self._finish_preprocessing(record)
 
     def _finish_preprocessing(self, record: PreprocDone) -> None:
-        self._preprocessed(self._pending.pop(record.key), record.error_code, record.message,
-                           record.preprocess_ms, record.cost)
+        job = self._pending.pop(record.key)
+        self._preprocessed(self.models[job.model], job, record.error_code, record.message,
+                           record.preprocess_ms, record.cost, record.rows)
 
-    def _preprocessed(self, job: Job, code: ErrorCode | None, message: str, ms: float,
-                      cost: int) -> None:
-        job.preprocess_ms, job.cost = ms, cost
+    def _preprocessed(self, m: Served, job: Job, code: ErrorCode | None, message: str,
+                      ms: float, cost: int, rows: int) -> None:
+        job.preprocess_ms, job.cost, job.rows = ms, cost, rows
         if code is not None:
-            self.outbox.add(self.writer.failed(job, code, message))
+            m.outbox.add(m.writer.failed(job, code, message))
             return
         job.ready_s = time.monotonic()
         if job.taken_over:
@@ -250,14 +284,14 @@ class MainLoop:
             # delivery first (see NOTE [ Poison jobs ] in reclaim.py).
             self._suspects.append(job)
         else:
-            self.batcher.add(job)
+            m.batcher.add(job)
 
-    def _launch(self, batch: list[Job], now: float, suspect: bool) -> None:
+    def _launch(self, m: Served, batch: list[Job], now: float, suspect: bool) -> None:
         if not batch:
             return
         self._launched.append(now)
-        self._batches.put((batch, [(now - job.ready_s) * 1000 for job in batch],
-                           self.batcher.run_size(len(batch)), suspect))
+        self._batches.put((m.index, batch, [(now - job.ready_s) * 1000 for job in batch],
+                           m.batcher.run_size(len(batch)), suspect))
 
     @property
     def _model_busy(self) -> bool:
@@ -265,32 +299,34 @@ class MainLoop:
         depth = 1 if self._suspects or self._alone else self._model_depth
         return len(self._launched) >= depth
 
-    def _on_ran(self, event: Ran) -> None:
+    def _on_ran(self, m: Served, event: Ran) -> None:
         self._launched.popleft()
         self._alone = False
         n = len(event.batch)
+        seconds = event.inference_ms / 1000
         self.batch_sizes[n] += 1
-        self.metrics.batch(n, event.inference_ms / 1000)
-        self.metrics.tokens([job.cost for job in event.batch])
+        self.turns.ran(m.index, seconds)
+        m.metrics.batch(n, seconds)
+        m.metrics.tokens([(job.cost, job.rows) for job in event.batch])
         if all(o.error is None for o in event.outcomes):
-            self.latency.observe(event.run_size or n, event.inference_ms / 1000)
-            if isinstance(self.batcher, ShapedBatcher):  # time by rows and padded length
-                self.batcher.observe(n, self.batcher.padded_length(event.batch),
-                                     event.inference_ms / 1000)
-        self.batcher.set_limit(self.runner.batch_limit)  # lowered when device memory is short
-        self.outbox.extend(self.writer.ran(event.batch, event.outcomes, event.batch_wait_ms,
-                                           event.inference_ms))
+            m.latency.observe(event.run_size or n, seconds)
+            if isinstance(m.batcher, ShapedBatcher):  # time by rows and padded length
+                m.batcher.observe(sum(job.rows for job in event.batch),
+                                  m.batcher.padded_length(event.batch), seconds)
+        m.batcher.set_limit(m.runner.batch_limit)  # lowered when device memory is short
+        m.outbox.extend(m.writer.ran(event.batch, event.outcomes, event.batch_wait_ms,
+                                     event.inference_ms))
 
-    def _answered(self, answers: list[Answer], undeliverable: int) -> None:
+    def _answered(self, m: Served, answers: list[Answer], undeliverable: int) -> None:
         """Release what the written answers held, and count them."""
-        self.allocator.release_many(a.slot for a in answers if a.slot >= 0)
-        self.intake.reclaimer.leases.release((a.stream, a.entry_id) for a in answers)
+        m.allocator.release_many(a.slot for a in answers if a.slot >= 0)
+        m.intake.reclaimer.leases.release((a.stream, a.entry_id) for a in answers)
         # Counted once written: a result that failed to write is retried, not lost.
         lane_of = self._lane_of
         for a in answers:
             if a.stream not in lane_of:
                 lane_of[a.stream] = stream_partition(a.stream)[1].value
-        self.metrics.answered((lane_of[a.stream], a.outcome, a.timings,
-                               a.dead_letter is not None) for a in answers)
-        self.metrics.dead_lettered.inc(undeliverable)
-        self.capacity.give_back(len(answers), bulk=sum(a.lane is Lane.BULK for a in answers))
+        m.metrics.answered((lane_of[a.stream], a.outcome, a.timings,
+                            a.dead_letter is not None) for a in answers)
+        m.metrics.dead_lettered.inc(undeliverable)
+        m.capacity.give_back(len(answers), bulk=sum(a.lane is Lane.BULK for a in answers))

@@ -54,6 +54,7 @@ declared here, beside the few functions that record a group at once and serve th
 
 from __future__ import annotations
 
+import copy
 import logging
 import socket
 import threading
@@ -118,21 +119,27 @@ def observe_many(histogram: Any, values: Sequence[float]) -> None:
 
 
 class WorkerMetrics:
-    """The metrics of one worker, on its own registry. Thread-safe (prometheus_client locks)."""
+    """The metrics of one model of a worker, on the worker's own registry. Thread-safe
+    (prometheus_client locks). A worker serving several models makes one with
+    :meth:`for_model` for each of the others: the same series, labelled with its name."""
 
     def __init__(self, model: str, max_batch_size: int) -> None:
         # The *_created series would double the series count and no dashboard uses them.
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry()
-        self.model = model
-        self.max_batch_size = max_batch_size
         self._declare_requests()
         self._declare_batches()
         self._declare_state()
-        self._gpu: tuple[Gauge, Gauge] | None = None
-        #: Labelled series answered() uses for every job, by (lane, outcome) and by lane.
-        self._requests: dict[tuple[str, str], Any] = {}
-        self._stage_series: dict[str, list[tuple[str, Any]]] = {}
+        #: The GPU memory gauges, made on the first CUDA start (shared by for_model copies).
+        self._gpu: list[Gauge] = []
+        self._bind(model, max_batch_size)
+
+    def for_model(self, model: str, max_batch_size: int) -> WorkerMetrics:
+        """The metrics of another model served by the same worker: the same registry and
+        series, labelled ``model``."""
+        other = copy.copy(self)
+        other._bind(model, max_batch_size)
+        return other
 
     # ------------------------------------------------------------------ declarations
 
@@ -154,65 +161,80 @@ class WorkerMetrics:
                                               f"{_STAGE_DOCS[stage]}, ok results, s.",
                                               LATENCY_BUCKETS_S, ("lane",) if by_lane else ())
                        for stage, by_lane in _STAGES.values()}
-        m = self.model
-        self.dead_lettered = self._counter("redbatch_dead_lettered_total", "Entries this "
-                                           "worker put in the dead-letter stream.").labels(m)
-        self.reclaimed_jobs = self._counter(
+        self._dead_lettered = self._counter("redbatch_dead_lettered_total", "Entries this "
+                                            "worker put in the dead-letter stream.")
+        self._reclaimed = self._counter(
             "redbatch_reclaimed_total", "Jobs delivered before, taken over from a dead or "
-            "stuck worker (or re-read after a restart under the same consumer name).").labels(m)
-        waits = self._counter("redbatch_result_waits_total", "Writes of results followed by "
-                              "WAIT (--result-replicas): confirmed by as many replicas as "
-                              "asked (acked), or not (short: timed out or failed).",
-                              ("outcome",))
-        self.result_waits = {"acked": waits.labels(m, "acked"), "short": waits.labels(m, "short")}
-        for lane in Lane:  # series exist from the start, so rate() works from the first job
-            self.requests.labels(m, lane.value, Status.OK.value)
-        for stage, by_lane in _STAGES.values():
-            for labels in ([(m, lane.value) for lane in Lane] if by_lane else [(m,)]):
-                self.stages[stage].labels(*labels)
+            "stuck worker (or re-read after a restart under the same consumer name).")
+        self._waits = self._counter("redbatch_result_waits_total", "Writes of results "
+                                    "followed by WAIT (--result-replicas): confirmed by as "
+                                    "many replicas as asked (acked), or not (short: timed "
+                                    "out or failed).", ("outcome",))
 
     def _declare_batches(self) -> None:
-        m = self.model
-        self.executions = self._counter("redbatch_executions_total",
-                                        "Batches run by the model.").labels(m)
-        self.inferences = self._counter("redbatch_inferences_total",
-                                        "Requests run by the model, over all batches.").labels(m)
-        self.inference_s = self._histogram("redbatch_inference_seconds", "Model run time of "
-                                           "one batch, s.", LATENCY_BUCKETS_S).labels(m)
-        tokens = self._counter("redbatch_batch_tokens_total", "Tokens (inputs' costs) run "
-                               "by the model: real ones, and padded (rows x the longest); "
-                               "padded / real is the padding waste.", ("kind",))
-        self.real_tokens, self.padded_tokens = tokens.labels(m, "real"), tokens.labels(m, "padded")
-        self.batch_size = self._histogram("redbatch_batch_size", "Requests per batch.",
-                                          BATCH_SIZE_BUCKETS).labels(m)
-        self.batch_fill = self._histogram("redbatch_batch_fill_ratio", "Batch size over the "
-                                          "largest batch.", FILL_BUCKETS).labels(m)
+        self._executions = self._counter("redbatch_executions_total", "Batches run by the model.")
+        self._inferences = self._counter("redbatch_inferences_total",
+                                         "Requests run by the model, over all batches.")
+        self._inference_s = self._histogram("redbatch_inference_seconds", "Model run time of "
+                                            "one batch, s.", LATENCY_BUCKETS_S)
+        self._tokens = self._counter("redbatch_batch_tokens_total", "Tokens (inputs' costs) "
+                                     "run by the model: real ones, and padded (rows x the "
+                                     "longest); padded / real is the padding waste.", ("kind",))
+        self._batch_size = self._histogram("redbatch_batch_size", "Requests per batch.",
+                                           BATCH_SIZE_BUCKETS)
+        self._batch_fill = self._histogram("redbatch_batch_fill_ratio", "Batch size over the "
+                                           "largest batch.", FILL_BUCKETS)
 
     def _declare_state(self) -> None:
-        m = self.model
-        self.inflight = self._gauge("redbatch_inflight_requests",
-                                    "Jobs read from Redis and not yet answered.").labels(m)
-        self.pool_processes = self._gauge("redbatch_pool_processes",
-                                          "Preprocessing processes.").labels(m)
-        self.pool_busy = self._gauge("redbatch_pool_busy_processes",
-                                     "Preprocessing processes working on a job.").labels(m)
-        self.shm_slots = self._gauge("redbatch_shm_slots",
-                                     "Shared-memory slots (= most jobs in flight).").labels(m)
-        self.shm_in_use = self._gauge("redbatch_shm_slots_in_use",
-                                      "Shared-memory slots holding a job.").labels(m)
+        self._inflight = self._gauge("redbatch_inflight_requests",
+                                     "Jobs read from Redis and not yet answered.")
+        self._pool_processes = self._gauge("redbatch_pool_processes", "Preprocessing processes.")
+        self._pool_busy = self._gauge("redbatch_pool_busy_processes",
+                                      "Preprocessing processes working on a job.")
+        self._shm_slots = self._gauge("redbatch_shm_slots",
+                                      "Shared-memory slots (= most jobs in flight).")
+        self._shm_in_use = self._gauge("redbatch_shm_slots_in_use",
+                                       "Shared-memory slots holding a job.")
         self.stream_length = self._gauge("redbatch_stream_length", "Entries in the lane's "
                                          "stream: queued or in progress.", ("lane",))
         self.stream_pending = self._gauge("redbatch_stream_pending", "Entries read by a worker "
                                           "and not yet answered.", ("lane",))
         self.stream_lag = self._gauge("redbatch_stream_lag",
                                       "Entries no worker has read yet.", ("lane",))
-        for lane in Lane:
-            for gauge in (self.stream_length, self.stream_pending, self.stream_lag):
-                gauge.labels(m, lane.value)
-        self.dead_letters = self._gauge("redbatch_dead_letters",
-                                        "Entries in the dead-letter stream.").labels(m)
+        self._dead_letters = self._gauge("redbatch_dead_letters",
+                                         "Entries in the dead-letter stream.")
         self.info = Info("redbatch_worker", "The worker's version, device and largest batch.",
                          ["model"], registry=self.registry)
+
+    def _bind(self, model: str, max_batch_size: int) -> None:
+        """This model's series of every family, made now so that rate() works from the
+        first job, and kept so that recording never looks a label up."""
+        self.model, m = model, model
+        self.max_batch_size = max_batch_size
+        #: Labelled series answered() uses for every job, by (lane, outcome) and by lane.
+        self._requests: dict[tuple[str, str], Any] = {}
+        self._stage_series: dict[str, list[tuple[str, Any]]] = {}
+        self.dead_lettered = self._dead_lettered.labels(m)
+        self.reclaimed_jobs = self._reclaimed.labels(m)
+        self.result_waits = {"acked": self._waits.labels(m, "acked"),
+                             "short": self._waits.labels(m, "short")}
+        for lane in Lane:
+            self.requests.labels(m, lane.value, Status.OK.value)
+            for gauge in (self.stream_length, self.stream_pending, self.stream_lag):
+                gauge.labels(m, lane.value)
+        for stage, by_lane in _STAGES.values():
+            for labels in ([(m, lane.value) for lane in Lane] if by_lane else [(m,)]):
+                self.stages[stage].labels(*labels)
+        self.executions, self.inferences = self._executions.labels(m), self._inferences.labels(m)
+        self.inference_s = self._inference_s.labels(m)
+        self.real_tokens, self.padded_tokens = self._tokens.labels(m, "real"), \
+            self._tokens.labels(m, "padded")
+        self.batch_size, self.batch_fill = self._batch_size.labels(m), self._batch_fill.labels(m)
+        self.inflight, self.pool_processes = self._inflight.labels(m), \
+            self._pool_processes.labels(m)
+        self.pool_busy, self.shm_slots = self._pool_busy.labels(m), self._shm_slots.labels(m)
+        self.shm_in_use, self.dead_letters = self._shm_in_use.labels(m), \
+            self._dead_letters.labels(m)
 
     # ------------------------------------------------------------------ recording
 
@@ -224,12 +246,12 @@ class WorkerMetrics:
                                            "consumer": consumer})
         self.pool_processes.set(pool_processes)
         self.shm_slots.set(shm_slots)
-        if device.startswith("cuda") and self._gpu is None:
-            self._gpu = (self._gauge("redbatch_gpu_memory_allocated_bytes",
-                                     "GPU memory held by tensors, bytes.", ("device",)),
-                         self._gauge("redbatch_gpu_memory_reserved_bytes",
-                                     "GPU memory reserved by torch's allocator, bytes.",
-                                     ("device",)))
+        if device.startswith("cuda") and not self._gpu:
+            self._gpu.extend((self._gauge("redbatch_gpu_memory_allocated_bytes",
+                                          "GPU memory held by tensors, bytes.", ("device",)),
+                              self._gauge("redbatch_gpu_memory_reserved_bytes",
+                                          "GPU memory reserved by torch's allocator, bytes.",
+                                          ("device",))))
 
     def answered(self, answers: Iterable[Answered]) -> None:
         """A group of entries answered, each ``(lane, outcome, timings in ms, whether it was
@@ -279,11 +301,14 @@ class WorkerMetrics:
         self.batch_size.observe(size)
         self.batch_fill.observe(size / self.max_batch_size)
 
-    def tokens(self, costs: Sequence[int]) -> None:
-        """The costs of one batch's inputs (tokens), which ran padded to the longest."""
-        if costs and max(costs) > 0:
-            self.real_tokens.inc(sum(costs))
-            self.padded_tokens.inc(len(costs) * max(costs))
+    def tokens(self, costs: Sequence[tuple[int, int]]) -> None:
+        """The (cost, rows) of one batch's inputs (tokens: the longest text's, and the texts
+        it holds), whose rows ran padded to the batch's longest. An input of several rows
+        counts its longest for each (an upper bound of its real tokens)."""
+        longest = max((cost for cost, _ in costs), default=0)
+        if longest > 0:
+            self.real_tokens.inc(sum(cost * rows for cost, rows in costs))
+            self.padded_tokens.inc(sum(rows for _, rows in costs) * longest)
 
     def result_waited(self, replication: Any) -> None:
         """One WAIT after a write of results (gpu_worker/transaction.py ``Replication``)."""
@@ -304,7 +329,7 @@ class WorkerMetrics:
         self.stream_lag.labels(self.model, lane).set(lag)
 
     def gpu_memory(self, device: str, allocated: int, reserved: int) -> None:
-        if self._gpu is not None:
+        if self._gpu:
             self._gpu[0].labels(self.model, device).set(allocated)
             self._gpu[1].labels(self.model, device).set(reserved)
 

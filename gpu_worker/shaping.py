@@ -112,6 +112,13 @@ def cost_of(item: object) -> int:
     return cost
 
 
+def rows_of(item: object) -> int:
+    """Rows of the model's batch a request fills: its ``rows`` attribute (a list of texts:
+    one per text), 1 without one."""
+    rows = getattr(item, "rows", 1)
+    return rows if isinstance(rows, int) and rows >= 1 else 1
+
+
 def padded_length(batch: Iterable[object]) -> int:
     """The length a batch runs at: its longest request's cost (0 for an empty batch)."""
     return max((cost_of(item) for item in batch), default=0)
@@ -210,38 +217,48 @@ class _Bucket(Generic[T]):
     def longest(self) -> int:
         return max((cost for cost, _ in self.entries()), default=0)
 
+    def rows(self) -> int:
+        return sum(rows_of(item) for _, item in self.entries())
+
     def earliest_deadline(self) -> float | None:
         deadlines = [i.deadline_s for _, i in self.entries() if i.deadline_s is not None]
         return min(deadlines) if deadlines else None
 
 
 class _Draft(Generic[T]):
-    """A batch being composed under the rows and token limits."""
+    """A batch being composed under the size limit (requests) and the token limit (rows, a
+    request of several texts counting one a text, x the longest)."""
 
-    def __init__(self, max_rows: int, max_tokens: int) -> None:
-        self.max_rows, self.max_tokens = max_rows, max_tokens
+    def __init__(self, max_requests: int, max_tokens: int) -> None:
+        self.max_requests, self.max_tokens = max_requests, max_tokens
         self.interactive: list[T] = []
         self.bulk: list[T] = []
         self.longest = 0
+        self.rows = 0
 
     @property
-    def rows(self) -> int:
+    def requests(self) -> int:
         return len(self.interactive) + len(self.bulk)
 
-    def fits(self, cost: int) -> bool:
-        if self.rows == 0:
+    def fits(self, cost: int, rows: int) -> bool:
+        if self.requests == 0:
             return True
-        return self.rows < self.max_rows and \
-            (self.rows + 1) * max(self.longest, cost) <= self.max_tokens
+        return self.requests < self.max_requests and \
+            (self.rows + rows) * max(self.longest, cost) <= self.max_tokens
 
     def take(self, queue: deque[Entry[T]], limit: int,
-             allowed: Callable[[int], bool] = lambda cost: True) -> int:
+             allowed: Callable[[int, int], bool] = lambda cost, rows: True) -> int:
         """Take from the head of ``queue`` (at most ``limit``) while each fits; how many."""
         taken = 0
-        while queue and taken < limit and self.fits(queue[0][0]) and allowed(queue[0][0]):
-            cost, item = queue.popleft()
+        while queue and taken < limit:
+            cost, item = queue[0]
+            rows = rows_of(item)
+            if not (self.fits(cost, rows) and allowed(cost, rows)):
+                break
+            queue.popleft()
             (self.bulk if item.bulk else self.interactive).append(item)
             self.longest = max(self.longest, cost)
+            self.rows += rows
             taken += 1
         return taken
 
@@ -305,9 +322,8 @@ class ShapedBatcher(Batcher[T]):
     # ------------------------------------------------------------------ when
 
     def _full(self, bucket: _Bucket[T]) -> bool:
-        rows = len(bucket)
-        return rows >= self.max_batch_size or \
-            (rows + 1) * bucket.longest() > self.shape.max_batch_tokens
+        return len(bucket) >= self.max_batch_size or \
+            (bucket.rows() + 1) * bucket.longest() > self.shape.max_batch_tokens
 
     def _starving(self, now: float) -> bool:
         return bool(self._bulk_count) and \
@@ -333,9 +349,8 @@ class ShapedBatcher(Batcher[T]):
         deadline = bucket.earliest_deadline()
         if deadline is not None:
             length = bucket.longest()
-            rows = min(len(bucket), self.max_batch_size,
-                       max(1, self.shape.max_batch_tokens // length))
-            release = min(release, deadline - self.token_run_time(self.run_size(rows), length))
+            rows = min(bucket.rows(), max(1, self.shape.max_batch_tokens // length))
+            release = min(release, deadline - self.token_run_time(rows, length))
         return release
 
     def _due(self, now: float) -> list[int]:
@@ -363,13 +378,14 @@ class ShapedBatcher(Batcher[T]):
         return [index, *(j for j in (index - 1, index + 1)
                          if j in due and not self._full(self._buckets[j]))]
 
-    def _within_budget(self, draft: _Draft[T], now: float) -> Callable[[int], bool]:
-        """Whether one more bulk request of a cost keeps the batch within the bulk budget."""
+    def _within_budget(self, draft: _Draft[T], now: float) -> Callable[[int, int], bool]:
+        """Whether one more bulk request of a cost and rows keeps the batch within the bulk
+        budget."""
         budget = self.lanes.bulk_batch_budget_s
         if budget is None or now - self._last_interactive_s > self.lanes.interactive_recent_s:
-            return lambda cost: True
-        return lambda cost: draft.rows == 0 or \
-            self.token_run_time(draft.rows + 1, max(draft.longest, cost)) <= budget
+            return lambda cost, rows: True
+        return lambda cost, rows: draft.requests == 0 or \
+            self.token_run_time(draft.rows + rows, max(draft.longest, cost)) <= budget
 
     def _compose(self, index: int, due: list[int], now: float) -> list[T]:
         order = [self._buckets[j] for j in self._order(index, due)]

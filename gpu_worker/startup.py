@@ -1,20 +1,23 @@
 """The worker's start-up, in one phase: :func:`build` makes every part the main loop runs
-on, whole, or none of them. In order: the model's handler; the calibration profile, which
-settles the batch sizes (gpu_worker/tuning/apply.py) that the slots and the warm-up depend
-on; the preprocessing pool with its shared-memory slots (its processes start while the
-model warms up); the model runner, warmed up; the consumer groups in Redis; the writer.
-Each part that holds a resource registers its closing on the caller's ExitStack as soon as
-it exists, so a failure half-way closes what was built.
+on, whole, or none of them. In order: each model's handler and calibration profile, which
+settles its batch sizes (gpu_worker/tuning/apply.py) that its slots and warm-up depend on;
+the preprocessing pool, one for all the models, with each model's shared-memory slots (its
+processes start while the models warm up); each model's runner, warmed up one after the
+other on the shared device (so each learns its memory with the others' already held); each
+model's consumer groups in Redis and its writer. Each part that holds a resource registers
+its closing on the caller's ExitStack as soon as it exists, so a failure half-way closes
+what was built.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import redis
 from redbatch import __version__
@@ -27,7 +30,8 @@ from redbatch.gpu_worker.capacity import Capacity
 from redbatch.gpu_worker.intake import Intake, Job
 from redbatch.gpu_worker.metrics import Health, WorkerMetrics
 from redbatch.gpu_worker.model import ModelRunner
-from redbatch.gpu_worker.results import ResultWriter
+from redbatch.gpu_worker.outbox import Outbox
+from redbatch.gpu_worker.results import Answer, ResultWriter
 from redbatch.gpu_worker.shaping import (
     DEFAULT_SMALLEST_EDGE,
     SERVING_EDGES_PER_OCTAVE,
@@ -38,6 +42,12 @@ from redbatch.gpu_worker.shaping import (
 )
 from redbatch.gpu_worker.transaction import ReplicaWait
 from redbatch.gpu_worker.tuning.apply import Tuned, warmup_sizes
+from redbatch.gpu_worker.tuning.shapes import (
+    can_measure,
+    longest_inputs,
+    measure_shapes,
+    shape_grid,
+)
 from redbatch.handlers.base import Handler, load_handler, max_cost_of, preprocesses_inline
 from redbatch.preproc_worker.pool import PreprocPool
 from redbatch.preproc_worker.shm import SlotAllocator, SlotArray, sweep_orphans
@@ -86,43 +96,120 @@ def tune(s: Settings, handler: Handler,
 
 
 @dataclass(frozen=True, slots=True)
-class Parts:
-    """Everything the main loop runs on, as :func:`build` made it."""
+class Served:
+    """One model of the worker, with every part that is its own: its streams' intake and
+    writer, its batcher and in-flight places, its slots and its runner on the shared device."""
 
-    #: The settings as the calibration profile settled them.
+    #: Its place among the worker's models (Settings.models), which jobs and events carry.
+    index: int
+    #: Its settings, as its calibration profile settled them.
     settings: Settings
     tuned: Tuned
+    latency: LatencyEstimator
+    metrics: WorkerMetrics
     capacity: Capacity
     batcher: Batcher[Job]
     slots: SlotArray
     allocator: SlotAllocator
-    pool: PreprocPool
     runner: ModelRunner
     #: The handler, when its preprocessing is trivial enough to run in the main loop.
     inline: Handler | None
     intake: Intake
     writer: ResultWriter
+    #: Groups of answers for its writer thread, from its outbox.
+    outgoing: queue.SimpleQueue[list[Answer] | None]
+    outbox: Outbox
+
+    @property
+    def name(self) -> str:
+        return self.settings.model.served_name
 
 
-def build(s: Settings, latency: LatencyEstimator, metrics: WorkerMetrics, health: Health,
+@dataclass(frozen=True, slots=True)
+class Parts:
+    """Everything the main loop runs on, as :func:`build` made it."""
+
+    #: The worker's settings, the pool's processes resolved.
+    settings: Settings
+    pool: PreprocPool
+    #: The models, in the order of Settings.models.
+    models: list[Served]
+
+
+@dataclass(slots=True)
+class _Tuning:
+    """One model's parts settled before the pool and the runners start."""
+
+    handler: Handler
+    tuned: Tuned
+    capacity: Capacity
+    batcher: Batcher[Job]
+    latency: LatencyEstimator = field(default_factory=LatencyEstimator)
+
+
+def build(s: Settings, metrics: WorkerMetrics, health: Health,
           on_records: Callable[[list[PreprocDone]], None], stop: threading.Event,
           stack: ExitStack) -> Parts:
-    """Every part, in the order of the module's docstring; what holds a resource closes
-    with ``stack``. Raises ValueError for a bad model or device, RedisUnavailable when
-    ``stop`` is set while Redis is awaited."""
-    handler = load_handler(s.model.spec, s.limits)
-    tuned, capacity, batcher = tune(s, handler, latency)
-    s = tuned.settings
-    inline = handler if preprocesses_inline(handler) else None
-    if inline is not None:  # preprocessed in the main loop: the pool starts no process
-        s = replace(s, pool=replace(s.pool, processes=0))
-    metrics.max_batch_size = s.batch.max_batch_size
-    slots, allocator, pool = start_pool(s, handler, on_records, stack)
-    runner = load_model(s, tuned, handler, slots, latency, metrics)
-    stack.callback(runner.close)
-    if isinstance(batcher, ShapedBatcher) and s.tune.calibrate != "off":
-        seed_shapes(batcher, handler, runner, slots)
+    """Every part, in the order of the module's docstring, for each model; what holds a
+    resource closes with ``stack``. Raises ValueError for a bad model or device,
+    RedisUnavailable when ``stop`` is set while Redis is awaited."""
+    tunings = [_tune_one(s, i) for i in range(len(s.models))]
+    s = _shared(s, tunings)
+    settings = [replace(t.tuned.settings, pool=s.pool) for t in tunings]
+    slots, pool = start_pool(s, [(t.handler, each) for t, each in zip(tunings, settings,
+                                                                        strict=True)],
+                             on_records, stack)
+    runners = []
+    for t, each, its_slots, its_metrics in zip(tunings, settings, slots,
+                                               _metrics(metrics, settings), strict=True):
+        its_metrics.max_batch_size = each.batch.max_batch_size
+        runner = load_model(each, t.tuned, t.handler, its_slots, t.latency, its_metrics)
+        stack.callback(runner.close)
+        if isinstance(t.batcher, ShapedBatcher) and each.tune.calibrate != "off":
+            seed_shapes(t.batcher, t.handler, runner, its_slots)
+        runners.append((runner, its_metrics))
     health.model_loaded = True
+    models = []
+    for i, (t, each, its_slots, (runner, its_metrics)) in enumerate(
+            zip(tunings, settings, slots, runners, strict=True)):
+        intake, writer = _connect(each, its_metrics, health, stop)
+        outgoing: queue.SimpleQueue[list[Answer] | None] = queue.SimpleQueue()
+        models.append(Served(
+            i, each, t.tuned, t.latency, its_metrics, t.capacity, t.batcher, its_slots,
+            SlotAllocator(each.batch.max_inflight), runner,
+            t.handler if preprocesses_inline(t.handler) else None, intake, writer, outgoing,
+            Outbox(health, outgoing.put)))
+    return Parts(s, pool, models)
+
+
+def _tune_one(s: Settings, index: int) -> _Tuning:
+    """The ``index``-th model's handler, profile and batching pieces."""
+    handler = load_handler(s.models[index].spec, s.limits)
+    latency = LatencyEstimator()
+    tuned, capacity, batcher = tune(s.for_model(index), handler, latency)
+    return _Tuning(handler, tuned, capacity, batcher, latency)
+
+
+def _shared(s: Settings, tunings: list[_Tuning]) -> Settings:
+    """The worker's settings with the pool sized as the first model's tuning resolved it
+    (the same for each: one device, one rule), or with no process when every model
+    preprocesses in the main loop."""
+    pool = tunings[0].tuned.settings.pool
+    if all(preprocesses_inline(t.handler) for t in tunings):
+        pool = replace(pool, processes=0)
+    return replace(s, pool=pool)
+
+
+def _metrics(first: WorkerMetrics, settings: list[Settings]) -> list[WorkerMetrics]:
+    """Each model's metrics: the first model's are the worker's, the others share them."""
+    return [first if i == 0 else first.for_model(each.model.served_name,
+                                                  each.batch.max_batch_size)
+            for i, each in enumerate(settings)]
+
+
+def _connect(s: Settings, metrics: WorkerMetrics, health: Health,
+             stop: threading.Event) -> tuple[Intake, ResultWriter]:
+    """A model's intake, once its consumer groups exist, and its result writer."""
     intake = Intake(connect_waiting(s.redis, stop), Keys(s.model.served_name, s.redis.prefix),
                     s.consumer, s.limits.max_payload_bytes, s.reclaim_idle_ms,
                     s.max_deliveries)
@@ -130,22 +217,28 @@ def build(s: Settings, latency: LatencyEstimator, metrics: WorkerMetrics, health
     wait = ReplicaWait(s.result_replicas, s.result_wait_ms) if s.result_replicas else None
     writer = ResultWriter(connect(s.redis), intake.keys, s.consumer, s.result_ttl_s, wait,
                           metrics.result_waited)
-    return Parts(s, tuned, capacity, batcher, slots, allocator, pool, runner, inline, intake,
-                 writer)
+    return intake, writer
 
 
-def start_pool(s: Settings, handler: Handler, on_records: Callable[[list[PreprocDone]], None],
-               stack: ExitStack) -> tuple[SlotArray, SlotAllocator, PreprocPool]:
+def start_pool(s: Settings, models: list[tuple[Handler, Settings]],
+               on_records: Callable[[list[PreprocDone]], None],
+               stack: ExitStack) -> tuple[list[SlotArray], PreprocPool]:
     """Sweep what dead workers with our prefix left in /dev/shm (NOTE [ Shared-memory
-    lifetime ] in shm.py), then create the slots and start the pool processes."""
+    lifetime ] in shm.py), then create each model's slots and start the pool's processes,
+    which preprocess for every model."""
     sweep_orphans(s.pool.shm_prefix)
-    slots = SlotArray.create(s.batch.max_inflight, handler.input_shape, handler.input_dtype,
-                             s.pool.shm_prefix)
-    stack.callback(slots.close)  # last: the pool's processes and the model use the slots
-    pool = PreprocPool(s.model.spec, s.limits, s.pool, slots.layout)
+    slots = []
+    for handler, each in models:
+        array = SlotArray.create(each.batch.max_inflight, handler.input_shape,
+                                 handler.input_dtype, s.pool.shm_prefix)
+        stack.callback(array.close)  # last: the pool's processes and the model use the slots
+        slots.append(array)
+    specs = [(each.model.spec, array.layout) for (_, each), array in zip(models, slots,
+                                                                          strict=True)]
+    pool = PreprocPool(specs[0][0], s.limits, s.pool, specs[0][1], more=specs[1:])
     stack.callback(pool.close)
     pool.start(on_records=on_records)
-    return slots, SlotAllocator(s.batch.max_inflight), pool
+    return slots, pool
 
 
 def load_model(s: Settings, tuned: Tuned, handler: Handler, slots: SlotArray,
@@ -170,7 +263,9 @@ def load_model(s: Settings, tuned: Tuned, handler: Handler, slots: SlotArray,
                          variant, model=model,
                          memory_watermark=s.tune.memory_watermark, lanes=tuned.lanes)
     sizes = warmup_sizes(s.batch.max_batch_size, tuned.preferred_sizes, runner.pipelined)
-    for size, seconds in runner.warmup(sizes).items():
+    with longest_inputs(handler, slots.array, s.batch.max_batch_size):
+        warm = runner.warmup(sizes)
+    for size, seconds in warm.items():
         if size not in tuned.latency_s:  # measured times from the profile are better
             latency.observe(size, seconds)
     metrics.started(s.consumer, __version__, str(tuned.device), s.pool.processes,
@@ -183,8 +278,6 @@ def seed_shapes(batcher: ShapedBatcher[Job], handler: Handler, runner: ModelRunn
                 slots: SlotArray) -> None:
     """Time a few (rows, padded length) shapes on the model and start the batcher's run-time
     line from them (gpu_worker/tuning/shapes.py), before any job is read."""
-    from redbatch.gpu_worker.tuning.shapes import can_measure, measure_shapes, shape_grid
-
     if not can_measure(handler):
         return
     grid = shape_grid(batcher.max_batch_size, batcher.shape.edges[-1],

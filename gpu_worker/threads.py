@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -44,11 +44,13 @@ BULK_ROOM_WAIT_S = 0.010
 
 
 class Reader:
-    """Reads as many jobs as there are free in-flight places, until stopped; Redis errors
-    are retried with back-off, one line each, and never end the thread."""
+    """Reads as many jobs as there are free in-flight places of model ``model`` (its index
+    among the worker's models), until stopped; Redis errors are retried with back-off, one
+    line each, and never end the thread."""
 
     def __init__(self, intake: Intake, capacity: Capacity, metrics: WorkerMetrics,
-                 health: Health, put: Callable[[Event], None]) -> None:
+                 health: Health, put: Callable[[Event], None], model: int = 0) -> None:
+        self.model = model
         self.intake = intake
         self.capacity = capacity
         self.metrics = metrics
@@ -89,24 +91,29 @@ class Reader:
         self.capacity.took_bulk(sum(job.bulk for job in jobs))
         self.capacity.give_back(n - len(jobs) - len(bad))
         if jobs or bad:
-            self.put(Read(jobs, bad))
+            if self.model:
+                for job in jobs:
+                    job.model = self.model
+            self.put(Read(jobs, bad, self.model))
         elif not self.intake.recovering:
-            self.put(Idle())
+            self.put(Idle(self.model))
         return True
 
 
-def submit_batches(runner: ModelRunner, reclaimer: Reclaimer,
+def submit_batches(runners: Sequence[ModelRunner], reclaimers: Sequence[Reclaimer],
                    batches: queue.SimpleQueue[Launch | None],
                    collecting: queue.SimpleQueue[Any]) -> None:
-    """Model thread: submit each batch (on CUDA this returns before it has run), until None.
-    A taken-over job has its delivery counted first (an XCLAIM, here and not on the main
-    loop, so a slow Redis never stalls batching; NOTE [ Poison jobs ] in reclaim.py)."""
+    """Model thread: submit each batch to its model's runner (on CUDA this returns before
+    it has run), until None. A taken-over job has its delivery counted first (an XCLAIM,
+    here and not on the main loop, so a slow Redis never stalls batching; NOTE [ Poison
+    jobs ] in reclaim.py)."""
     while (item := batches.get()) is not None:
-        batch, waits, size, suspect = item
+        model, batch, waits, size, suspect = item
         if suspect:
-            count_delivery(reclaimer, batch[0])
-        job = runner.submit([j.slot for j in batch], [j.envelope.params for j in batch], size)
-        collecting.put((batch, waits, job))
+            count_delivery(reclaimers[model], batch[0])
+        job = runners[model].submit([j.slot for j in batch],
+                                    [j.envelope.params for j in batch], size)
+        collecting.put((model, batch, waits, job))
     collecting.put(None)
 
 
@@ -121,30 +128,31 @@ def count_delivery(reclaimer: Reclaimer, job: Job) -> None:
                        "it anyway", job.request_id, e)
 
 
-def collect_batches(runner: ModelRunner, collecting: queue.SimpleQueue[Any],
+def collect_batches(runners: Sequence[ModelRunner], collecting: queue.SimpleQueue[Any],
                     put: Callable[[Event], None]) -> None:
     """Collect thread: wait for each submitted batch in order, postprocess, hand the
     outcomes over; a device failure is handed over and ends the thread."""
     while (item := collecting.get()) is not None:
-        batch, waits, job = item
+        model, batch, waits, job = item
         try:
-            outcomes = runner.collect(job)
+            outcomes = runners[model].collect(job)
         except DeviceFailure as e:
             put(DeviceLost(str(e)))
             return
-        put(Ran(batch, outcomes, job.run_s * 1000, waits, job.size))
+        put(Ran(batch, outcomes, job.run_s * 1000, waits, job.size, model))
 
 
 def write_answers(writer: ResultWriter, outgoing: queue.SimpleQueue[list[Answer] | None],
-                  put: Callable[[Event], None]) -> None:
-    """Writer thread: write each group of answers with their acknowledgements and hand the
-    outcome back as a Written event, until None. A failed write is handed back whole (the
-    main loop retries it); nothing here ends the thread."""
+                  put: Callable[[Event], None], model: int = 0) -> None:
+    """Writer thread of model ``model``: write each group of its answers with their
+    acknowledgements and hand the outcome back as a Written event, until None. A failed
+    write is handed back whole (the main loop retries it); nothing here ends the thread."""
     while (answers := outgoing.get()) is not None:
         try:
-            put(Written(answers, writer.write_and_ack(answers)))
+            put(Written(answers, writer.write_and_ack(answers), model=model))
         except (RedisUnavailable, RedisRefused) as e:
-            put(Written(answers, error=e))
+            put(Written(answers, error=e, model=model))
         except Exception as e:  # a bug must not leave answers unwritten for good
             logger.exception("writing %d answers failed", len(answers))
-            put(Written(answers, error=RedisUnavailable(f"writing failed: {e!r}")))
+            put(Written(answers, error=RedisUnavailable(f"writing failed: {e!r}"),
+                        model=model))

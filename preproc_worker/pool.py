@@ -110,14 +110,15 @@ class _Pace:
 
 
 class PreprocPool:
-    """Processes that run ``handler.preprocess`` into the slots of ``layout``."""
+    """Processes that run ``handler.preprocess`` into the slots of ``layout``; with
+    ``more`` models, each process loads every model's handler and attaches every model's
+    slots, and a task says which model it is for (``Task.model``: 0 is the first)."""
 
     def __init__(self, handler_spec: str, limits: LimitSettings, settings: PoolSettings,
-                 layout: SlotLayout) -> None:
-        self._spec = handler_spec
+                 layout: SlotLayout, more: Sequence[tuple[str, SlotLayout]] = ()) -> None:
+        self._models = ((handler_spec, layout), *more)
         self._limits = limits
         self._settings = settings
-        self._layout = layout
         self._ctx: Any = mp.get_context(settings.start_method)
         name_semaphores_after(layout.name)  # before the queues make theirs
         self._children: list[_Child] = []
@@ -147,7 +148,7 @@ class PreprocPool:
         self._pump.start()
 
     def _spawn(self, index: int) -> _Child:
-        cfg = ChildConfig(index, os.getpid(), self._layout, self._spec, self._limits)
+        cfg = ChildConfig(index, os.getpid(), self._models, self._limits)
         tasks, current = self._ctx.Queue(), self._ctx.Value("q", IDLE, lock=False)
         reader, writer = self._ctx.Pipe(duplex=False)
         proc = self._ctx.Process(target=run_child, args=(cfg, tasks, writer, current),
@@ -217,7 +218,8 @@ class PreprocPool:
             key = next(self._keys)
             keys.append(key)
             line = self._urgent if t.urgent else self._backlog
-            line.append(PreprocTask(key, t.slot, t.payload, t.content_type, t.params))
+            line.append(PreprocTask(key, t.slot, t.payload, t.content_type, t.params,
+                                    model=t.model))
         self._dispatch()
         return keys
 

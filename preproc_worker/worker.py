@@ -54,14 +54,16 @@ def _pickled_as_fields(cls: _C) -> _C:
 
 @dataclass(frozen=True, slots=True)
 class Task:
-    """One job's input as the worker hands it over: decode ``payload`` into ``slot``.
-    ``urgent`` (an interactive job) puts it ahead of the pool's bulk backlog."""
+    """One job's input as the worker hands it over: decode ``payload`` into ``slot`` of
+    model ``model`` (its index in the pool's models). ``urgent`` (an interactive job) puts
+    it ahead of the pool's bulk backlog."""
 
     slot: int
     payload: bytes
     content_type: str
     params: dict[str, Any] = field(default_factory=dict)
     urgent: bool = False
+    model: int = 0
 
 
 @_pickled_as_fields
@@ -79,6 +81,8 @@ class PreprocTask:
     content_type: str
     params: dict[str, Any] = field(default_factory=dict)
     attempt: int = 0
+    #: Which of the pool's models (handler and slots) it is for.
+    model: int = 0
 
 
 @_pickled_as_fields
@@ -93,8 +97,11 @@ class PreprocDone:
     preprocess_ms: float = 0.0
     attempt: int = 0
     #: What the input costs the model, as its handler's ``preprocess`` returned it (tokens,
-    #: for a text model), or 0: the batcher bounds a batch's padded cost with it.
+    #: for a text model: its longest text's), or 0: the batcher bounds a batch's padded
+    #: cost with it.
     cost: int = 0
+    #: Rows of the model's batch the input fills (a list of texts: one per text).
+    rows: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,40 +110,43 @@ class ChildConfig:
 
     index: int
     parent_pid: int
-    layout: SlotLayout
-    handler_spec: str
+    #: Each model's handler spec and slots, in the worker's order of models.
+    models: tuple[tuple[str, SlotLayout], ...]
     limits: LimitSettings
 
 
 def _preprocess(handler: Any, out: Any, payload: bytes, content_type: str,
                 params: Mapping[str, Any]) -> Outcome:
     """Run the handler's preprocess into ``out``: (error code or None, message, wall ms,
-    cost: what preprocess returned when an int, else 0)."""
+    cost, rows: what preprocess returned, an int cost or a (cost, rows) pair, else 0, 1)."""
     start = time.perf_counter()
-    cost = 0
+    cost, rows = 0, 1
     try:
         returned = handler.preprocess(payload, content_type, params, out)
         code, message = None, ""
-        cost = returned if isinstance(returned, int) else 0
+        if isinstance(returned, tuple):
+            cost, rows = returned
+        elif isinstance(returned, int):
+            cost = returned
     except InputError as e:
         code, message = e.code, e.message
     except Exception as e:  # a handler bug must not take the process down with it
         code, message = ErrorCode.BAD_INPUT, f"preprocess failed: {type(e).__name__}: {e}"
-    return code, message, (time.perf_counter() - start) * 1000, cost
+    return code, message, (time.perf_counter() - start) * 1000, cost, rows
 
 
 def preprocess_one(handler: Any, slots: SlotArray, task: PreprocTask) -> PreprocDone:
     """Run the handler's preprocess into the task's slot; bad input becomes an error record."""
-    code, message, ms, cost = _preprocess(handler, slots.array[task.slot], task.payload,
-                                          task.content_type, task.params)
-    return PreprocDone(task.key, task.slot, code, message, ms, task.attempt, cost)
+    code, message, ms, cost, rows = _preprocess(handler, slots.array[task.slot], task.payload,
+                                                task.content_type, task.params)
+    return PreprocDone(task.key, task.slot, code, message, ms, task.attempt, cost, rows)
 
 
 #: One input of ``preprocess_group``: slot, payload, content type, params.
 Inline = tuple[int, bytes, str, Mapping[str, Any]]
 #: One outcome of ``preprocess_group``: error code (None: the slot is filled), message, ms,
-#: cost (see ``PreprocDone.cost``).
-Outcome = tuple[ErrorCode | None, str, float, int]
+#: cost and rows (see ``PreprocDone``).
+Outcome = tuple[ErrorCode | None, str, float, int, int]
 
 
 def preprocess_group(handler: Any, slots: SlotArray, inputs: Iterable[Inline]) -> list[Outcome]:
@@ -177,9 +187,9 @@ def run_child(cfg: ChildConfig, tasks: Queue[list[PreprocTask] | None],
     threading.Thread(target=_exit_when_orphaned, args=(cfg.parent_pid,), daemon=True).start()
     from redbatch.handlers.base import load_handler
 
-    handler = load_handler(cfg.handler_spec, cfg.limits)
-    heap = HeapTrim()  # its size now, with the handler loaded, is the one to come back to
-    slots = SlotArray.attach(cfg.layout)
+    handlers = [load_handler(spec, cfg.limits) for spec, _ in cfg.models]
+    heap = HeapTrim()  # its size now, with the handlers loaded, is the one to come back to
+    slots = [SlotArray.attach(layout) for _, layout in cfg.models]
     try:
         while os.getppid() == cfg.parent_pid:
             try:
@@ -188,14 +198,15 @@ def run_child(cfg: ChildConfig, tasks: Queue[list[PreprocTask] | None],
                 continue
             if chunk is None:
                 break
-            _run_chunk(handler, slots, chunk, results, current)
+            _run_chunk(handlers, slots, chunk, results, current)
             heap.after_task()  # after the records are sent, so a trim never delays a reply
     finally:
         results.close()
-        slots.close()
+        for each in slots:
+            each.close()
 
 
-def _run_chunk(handler: Any, slots: SlotArray, chunk: list[PreprocTask],
+def _run_chunk(handlers: list[Any], slots: list[SlotArray], chunk: list[PreprocTask],
                results: Connection, current: Synchronized[int]) -> None:
     """Preprocess a chunk, sending its records in one message, or in a few when it runs
     long (FLUSH_AFTER_S). See NOTE [ Pool crash handling ] in pool.py for ``current``."""
@@ -203,7 +214,7 @@ def _run_chunk(handler: Any, slots: SlotArray, chunk: list[PreprocTask],
     oldest = 0.0
     for task in chunk:
         current.value = task.key
-        done.append(preprocess_one(handler, slots, task))
+        done.append(preprocess_one(handlers[task.model], slots[task.model], task))
         now = time.perf_counter()
         if len(done) == 1:
             oldest = now

@@ -89,6 +89,16 @@ def client(redis_url: str, r: redis.Redis) -> Iterator[Client]:
 WorkerFactory = Callable[..., subprocess.Popen[bytes]]
 
 
+@pytest.fixture(scope="session")
+def reference() -> object:
+    """The text model's reference implementation: sentence-transformers reading the same
+    files from the model's wheel (a test dependency only; workers never import it)."""
+    from redbatch.handlers.text import model_dir
+
+    st = pytest.importorskip("sentence_transformers")
+    return st.SentenceTransformer(str(model_dir()), device="cpu")
+
+
 @pytest.fixture
 def start_worker(redis_url: str, r: redis.Redis,
                  tmp_path: Path) -> Iterator[WorkerFactory]:

@@ -262,6 +262,8 @@ class Text:
     cost: int
     deadline_s: float | None = None
     bulk: bool = False
+    #: Texts it holds (a JSON list of texts is a row of the model's batch each).
+    rows: int = 1
 
 
 def texts(b: Batcher[Text], costs: list[int], at: float, prefix: str = "t",
@@ -286,6 +288,21 @@ def test_shaped_batches_keep_the_token_budget_and_a_lone_long_request_still_fits
     assert [[t.cost for t in batch] for batch in batches] == [[30, 30, 30], [30, 10], [200]]
     assert [b.padded_length(batch) for batch in batches] == [30, 30, 200]
     assert len(b) == 0
+
+
+def test_a_list_of_texts_counts_a_row_a_text_in_the_token_budget() -> None:
+    # 100 padded tokens: a list of 3 texts of 30 takes 90, so a single 30 waits for the
+    # next batch; there the list of 2 would make 4 rows x 30 = 120, so it waits too (as one
+    # request it would have fitted: 3 x 30 = 90).
+    b: ShapedBatcher[Text] = ShapedBatcher(8, 0.0, ShapePolicy(max_batch_tokens=100,
+                                                               edges=(256,)))
+    b.add(Text("list3", 0.0, 30, rows=3))
+    b.add(Text("one", 0.0, 30))
+    b.add(Text("a", 0.0, 25))
+    b.add(Text("list2", 0.0, 20, rows=2))
+    b.add(Text("b", 0.0, 10))
+    assert [[t.name for t in batch] for batch in drain(b, now=0.0)] == \
+        [["list3"], ["one", "a"], ["list2", "b"]]
 
 
 def test_buckets_keep_lengths_apart_while_both_are_busy() -> None:

@@ -22,7 +22,7 @@ from redbatch.common.protocol import (
     Status,
 )
 from redbatch.handlers.decode import ALLOWED_FORMATS, REFUSED_SIGNATURES
-from redbatch.handlers.text import MAX_TEXT_BYTES, MAX_TOKENS
+from redbatch.handlers.text import MAX_TEXT_BYTES, MAX_TEXTS, MAX_TOKENS
 
 DOC = (Path(__file__).resolve().parent.parent / "PROTOCOL.md").read_text()
 MAX = 1024 * 1024
@@ -304,6 +304,7 @@ def test_doc_limits_are_the_limits_in_the_code() -> None:
         "result envelope": p.MAX_RESULT_BYTES,
         "text, `all_minilm_l6_v2`": MAX_TEXT_BYTES,
         "text tokens, `all_minilm_l6_v2`": MAX_TOKENS,
+        "texts in one job, `all_minilm_l6_v2`": MAX_TEXTS,
     }
 
 

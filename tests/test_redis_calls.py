@@ -66,6 +66,12 @@ CLOCK = ("zrange", "zadd", "zremrangebyscore", "xinfo|groups", "xinfo|consumers"
          "ping", "time", "xgroup|create", "xpending", "script|load")
 
 
+#: How long one blocking wait of the per-request tests lasts, s: past the worker's start
+#: (the waiters start first), however busy the machine, so that each job is popped by the
+#: first wait of its waiter (with 5 s, a start slowed by load cost every job a second wait).
+WAIT_SLICE_S = 20
+
+
 def _job_path(calls: dict[str, int]) -> int:
     """The calls the jobs made: the total without the clock's."""
     return _total(calls) - sum(calls.get(name, 0) for name in CLOCK)
@@ -84,10 +90,10 @@ def _per_request(redis_url: str, r: redis.Redis, start_worker: WorkerFactory,
         r.config_resetstat()
         ids = client.submit_jobs([client.job(PHOTO, timeout_s=120, done_only=done_only)
                                   for _ in range(N_JOBS)])
-    # A socket timeout well past the waits' 5 s slices: a slice that ends empty while the
-    # worker starts (a slow machine) comes back as None, instead of racing the socket.
+    # A socket timeout well past the waits' slices: a slice that ends empty comes back as
+    # None, instead of racing the socket.
     pool = redis.ConnectionPool.from_url(redis_url, max_connections=N_JOBS + 10,
-                                         socket_timeout=30)
+                                         socket_timeout=WAIT_SLICE_S + 15)
     waiter = redis.Redis(connection_pool=pool)
     got: dict[str, object] = {}
     threads = [threading.Thread(target=lambda rid=rid: got.update({rid: wait_one(waiter, rid)}))
@@ -135,7 +141,7 @@ def test_the_per_request_path_costs_a_token_and_one_wait_per_job_on_top(
     keys = Keys(NULL)
 
     def wait(waiter: redis.Redis, rid: str) -> object:
-        while (popped := waiter.blpop([keys.done(rid)], timeout=5)) is None:
+        while (popped := waiter.blpop([keys.done(rid)], timeout=WAIT_SLICE_S)) is None:
             if (data := waiter.get(keys.result(rid))) is not None:
                 return data
         return popped[1]
@@ -167,7 +173,7 @@ def test_the_done_only_per_request_path_costs_at_most_six_calls_per_job(
 
     def wait(waiter: redis.Redis, rid: str) -> object:
         done = keys.done(rid)
-        while (first := waiter.blmove(done, done, 5, "LEFT", "LEFT")) is None:
+        while (first := waiter.blmove(done, done, WAIT_SLICE_S, "LEFT", "LEFT")) is None:
             pass
         return first
 

@@ -31,7 +31,7 @@ from redbatch.common.protocol import ErrorCode
 from redbatch.gpu_worker.tuning.shapes import shape_grid
 from redbatch.handlers.base import load_handler
 from redbatch.handlers.decode import InputError
-from redbatch.handlers.text import MAX_TEXT_BYTES, MAX_TOKENS, AllMiniLmL6V2, model_dir
+from redbatch.handlers.text import MAX_TEXT_BYTES, MAX_TEXTS, MAX_TOKENS, AllMiniLmL6V2
 from redbatch.preproc_worker.worker import PreprocDone
 from redbatch.producer.client import Client
 
@@ -59,12 +59,6 @@ def handler() -> AllMiniLmL6V2:
     return h
 
 
-@pytest.fixture(scope="module")
-def reference() -> object:
-    st = pytest.importorskip("sentence_transformers")
-    return st.SentenceTransformer(str(model_dir()), device="cpu")
-
-
 def reference_vectors(reference: object, texts: Sequence[str]) -> torch.Tensor:
     vectors = reference.encode(list(texts), normalize_embeddings=True)  # type: ignore[attr-defined]
     return torch.as_tensor(np.asarray(vectors))
@@ -75,8 +69,8 @@ def embed(handler: AllMiniLmL6V2, texts: Sequence[str]) -> torch.Tensor:
     slots = np.empty((len(texts), *handler.input_shape), dtype=handler.input_dtype)
     for text, slot in zip(texts, slots, strict=True):
         handler.preprocess(text.encode(), "text/plain", {}, slot)
-    with torch.inference_mode():
-        return _encoder(handler)(torch.from_numpy(slots))
+    with torch.inference_mode():  # each slot's first row: its vector, then its kind
+        return _encoder(handler)(torch.from_numpy(slots))[:, 0, :-1]
 
 
 @functools.cache
@@ -112,20 +106,42 @@ def test_paraphrases_score_higher_than_unrelated_sentences(handler: AllMiniLmL6V
 def test_long_texts_are_cut_at_the_models_limit_and_bad_ones_refused(
         handler: AllMiniLmL6V2) -> None:
     out = np.empty(handler.input_shape, dtype=handler.input_dtype)
-    handler.preprocess(LONG.encode(), "", {}, out)
-    assert int(out[1].sum()) == MAX_TOKENS and out[0, MAX_TOKENS - 1] == 102  # [SEP] last
+    assert handler.preprocess(LONG.encode(), "", {}, out) == (MAX_TOKENS, 1)
+    assert int(out[0, 1].sum()) == MAX_TOKENS and out[0, 0, MAX_TOKENS - 1] == 102  # [SEP]
     handler.preprocess(json.dumps("Call me Ishmael.").encode(), "application/json", {}, out)
-    assert int(out[1].sum()) == 8  # [CLS] call me is ##hma ##el . [SEP]
+    assert int(out[0, 1].sum()) == 8  # [CLS] call me is ##hma ##el . [SEP]
+    assert not out[1:].any()  # one text: one row
     refused = {b"\xff\xfe not text": ErrorCode.BAD_INPUT,
                b"x" * (MAX_TEXT_BYTES + 1): ErrorCode.PAYLOAD_TOO_LARGE}
     for payload, code in refused.items():
         with pytest.raises(InputError) as e:
             handler.preprocess(payload, "text/plain", {}, out)
         assert e.value.code is code
-    for payload in (b'["a", "b"]', b"{not json"):
+    too_many = json.dumps(["a"] * (MAX_TEXTS + 1)).encode()
+    for payload in (b"[]", b'["a", 2]', b'{"text": "a"}', b"3", too_many, b"{not json"):
         with pytest.raises(InputError) as e:
             handler.preprocess(payload, "application/json", {}, out)
-        assert e.value.code is ErrorCode.BAD_INPUT
+        assert e.value.code is ErrorCode.BAD_INPUT, payload
+
+
+def test_a_list_of_texts_fills_a_row_each_and_gets_a_vector_each(
+        handler: AllMiniLmL6V2, reference: object) -> None:
+    # Three texts as one JSON list: a row each (marked as list items), the cost of the
+    # longest and three rows for the batcher, and {"embeddings": [...]} in their order,
+    # each the reference's vector; a plain text in the same batch keeps {"embedding"}.
+    texts = ["Yes.", LONG, "Call me Ishmael."]
+    slots = np.zeros((2, *handler.input_shape), dtype=handler.input_dtype)
+    assert handler.preprocess(json.dumps(texts).encode(), "application/json", {},
+                              slots[0]) == (MAX_TOKENS, 3)
+    assert [int(slots[0, i, 1].max()) for i in range(4)] == [2, 2, 2, 0]
+    assert handler.preprocess(b"A man is eating food.", "", {}, slots[1]) == (8, 1)
+    with torch.inference_mode():
+        listed, plain = handler.postprocess(_encoder(handler)(torch.from_numpy(slots)),
+                                            [{}, {}])
+    assert set(listed) == {"embeddings"} and set(plain) == {"embedding"}
+    got = torch.tensor(listed["embeddings"] + [plain["embedding"]])
+    theirs = reference_vectors(reference, [*texts, "A man is eating food."])
+    assert float((got * theirs).sum(dim=1).min()) >= 0.999
 
 
 def test_a_worker_answers_texts_with_the_reference_vectors(
@@ -135,13 +151,15 @@ def test_a_worker_answers_texts_with_the_reference_vectors(
     texts = SENTENCES[:24]
     with Client(redis_url, model=MODEL) as client:
         handles = [client.submit(text) for text in texts]
+        listed = client.submit(SENTENCES[24:40])  # a JSON list: one job, sixteen texts
         bad = client.submit(b"\xff\xfe", content_type="text/plain")
         deadline = time.monotonic() + 120
         results = [h.result(timeout_s=max(1.0, deadline - time.monotonic())) for h in handles]
+        vectors = listed.result(timeout_s=60).raise_for_error().output["embeddings"]
         refused = bad.result(timeout_s=60)
     assert refused.error_code is ErrorCode.BAD_INPUT
-    got = torch.tensor([r.raise_for_error().output["embedding"] for r in results])
-    cosines = (got * reference_vectors(reference, texts)).sum(dim=1)
+    got = torch.tensor([r.raise_for_error().output["embedding"] for r in results] + vectors)
+    cosines = (got * reference_vectors(reference, SENTENCES[:40])).sum(dim=1)
     assert float(cosines.min()) >= 0.999
 
 
@@ -177,7 +195,7 @@ def test_the_pool_reports_each_texts_tokens_as_its_cost() -> None:
     from redbatch.preproc_worker.shm import SlotArray
 
     texts = [b"Yes.", b"Call me Ishmael.", LONG.encode(), b"\xff"]
-    slots = SlotArray.create(4, (2, MAX_TOKENS), "int32")
+    slots = SlotArray.create(4, (MAX_TEXTS, 2, MAX_TOKENS), "int16")
     pool = PreprocPool(MODEL, LimitSettings(), PoolSettings(processes=1), slots.layout)
     messages: queue.Queue[list[PreprocDone]] = queue.Queue()
     costs: dict[int, tuple[int, ErrorCode | None]] = {}
@@ -269,12 +287,13 @@ def test_a_calibrating_worker_times_text_shapes_and_serves(
 @given(st.one_of(st.binary(max_size=4096), st.text(max_size=2048).map(str.encode)),
        st.sampled_from(["", "text/plain", "application/json", "application/octet-stream"]))
 def test_fuzz_any_payload_is_a_slot_or_a_typed_refusal(payload: bytes, content_type: str) -> None:
-    out = np.empty((2, MAX_TOKENS), dtype=np.int32)
     handler = AllMiniLmL6V2(LimitSettings())
+    out = np.empty(handler.input_shape, dtype=handler.input_dtype)
     try:
-        cost = handler.preprocess(payload, content_type, {}, out)
+        cost, rows = handler.preprocess(payload, content_type, {}, out)
     except InputError as e:
         assert e.code in (ErrorCode.BAD_INPUT, ErrorCode.PAYLOAD_TOO_LARGE)
         return
-    assert 2 <= cost <= MAX_TOKENS and int(out[1].sum()) == cost  # [CLS] and [SEP] at least
-    assert not out[:, cost:].any()
+    lengths = (out[:, 1] > 0).sum(axis=1)
+    assert 1 <= rows <= MAX_TEXTS and 2 <= cost <= MAX_TOKENS  # [CLS] and [SEP] at least
+    assert int(lengths.max()) == cost and all(lengths[:rows] >= 2) and not out[rows:].any()

@@ -7,16 +7,19 @@ time depends on its rows and its longest text, so the worker times a small grid 
 on its own model (a few seconds), seeds the estimator with them, and the estimator follows
 the batches actually run from then on. The inputs are the handler's ``sample_input(cost)``
 payloads, preprocessed as the pool would; the slots they used are cleared afterwards.
+The warm-up runs on the longest input too (``longest_inputs``), so that on CUDA it learns
+the device memory a full batch of the longest texts takes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 from redbatch.gpu_worker.model import ModelRunner
-from redbatch.handlers.base import Handler
+from redbatch.handlers.base import Handler, max_cost_of
 
 #: Lengths timed, tokens (each capped at the model's longest input), and rows as shares of
 #: the largest batch; a shape past the token budget is not timed (it never runs), but for
@@ -55,3 +58,24 @@ def measure_shapes(handler: Handler, runner: ModelRunner, slots: np.ndarray,
 def can_measure(handler: Handler) -> bool:
     """Whether the handler makes inputs of a given cost (its optional ``sample_input``)."""
     return callable(getattr(handler, "sample_input", None))
+
+
+@contextmanager
+def longest_inputs(handler: Handler, slots: np.ndarray, rows: int) -> Iterator[None]:
+    """Within it, the first ``rows`` slots hold the handler's longest input (its
+    ``sample_input(max_cost)``), cleared after: the warm-up then runs what the largest
+    batches cost, and learns their device memory per input, not that of empty slots.
+    Does nothing for a handler whose inputs all cost the same."""
+    cost = max_cost_of(handler)
+    if cost is None or not can_measure(handler):
+        yield
+        return
+    sample: Callable[[int], bytes] = handler.sample_input  # type: ignore[attr-defined]
+    payload = sample(cost)
+    rows = min(rows, len(slots))
+    for slot in range(rows):
+        handler.preprocess(payload, "", {}, slots[slot])
+    try:
+        yield
+    finally:
+        slots[:rows] = 0
