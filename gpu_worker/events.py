@@ -42,6 +42,9 @@ class Ran:
     run_size: int = 0
     #: Which model ran it (Served.index).
     model: int = 0
+    #: Its forward pass alone, ms (on CPU lanes ``inference_ms`` also holds the wait for
+    #: the batches launched before it to be collected): what it cost the device.
+    device_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -305,7 +305,7 @@ class MainLoop:
         n = len(event.batch)
         seconds = event.inference_ms / 1000
         self.batch_sizes[n] += 1
-        self.turns.ran(m.index, seconds)
+        self.turns.ran(m.index, (event.device_ms or event.inference_ms) / 1000)
         m.metrics.batch(n, seconds)
         m.metrics.tokens([(job.cost, job.rows) for job in event.batch])
         if all(o.error is None for o in event.outcomes):

@@ -139,7 +139,8 @@ def collect_batches(runners: Sequence[ModelRunner], collecting: queue.SimpleQueu
         except DeviceFailure as e:
             put(DeviceLost(str(e)))
             return
-        put(Ran(batch, outcomes, job.run_s * 1000, waits, job.size, model))
+        put(Ran(batch, outcomes, job.run_s * 1000, waits, job.size, model,
+                job.compute_s * 1000))
 
 
 def write_answers(writer: ResultWriter, outgoing: queue.SimpleQueue[list[Answer] | None],

@@ -22,6 +22,15 @@ NOTE [ Pool crash handling ]
   once a task has been charged more than ``crash_retries`` times it is answered
   ``preprocess_crashed`` instead.
 
+NOTE [ Models' turns in the pool ]
+  A worker serving several models has one pool for all of them. Its waiting tasks are in
+  lines per model (urgent and backlog each), and a chunk takes them a model at a time in
+  turn: urgent ones of every model before any bulk one, and among the models' urgent
+  tasks (or bulk ones), one of each in rotation. So a model of cheap inputs (texts, a
+  fraction of a millisecond each) never queues behind a long line of another's expensive
+  ones (photos, milliseconds each): it waits for about one of them per task, while the
+  expensive model keeps the processes busy.
+
 NOTE [ One result pipe per process ]
   Each process answers through a pipe of its own, of which it holds the only write end.
   A process killed mid-write (a segfault in a decoder, the OOM killer) then leaves at most
@@ -123,10 +132,14 @@ class PreprocPool:
         name_semaphores_after(layout.name)  # before the queues make theirs
         self._children: list[_Child] = []
         self._keys = count()
-        # Two lines, each first in first out: interactive (urgent) tasks are dispatched before
-        # any bulk one, and in arrival order among themselves, so none starves at saturation.
-        self._urgent: deque[PreprocTask] = deque()
-        self._backlog: deque[PreprocTask] = deque()
+        # Two lines per model, each first in first out: interactive (urgent) tasks are
+        # dispatched before any bulk one, and in arrival order among themselves, so none
+        # starves at saturation; the models take turns, a task each (NOTE [ Models' turns
+        # in the pool ]).
+        self._urgent: list[deque[PreprocTask]] = [deque() for _ in self._models]
+        self._backlog: list[deque[PreprocTask]] = [deque() for _ in self._models]
+        self._waiting = 0
+        self._turn = 0  # the model whose lines are looked at first for the next task
         self._pace = _Pace()
         self._strikes: dict[int, int] = {}  # task key -> crashes charged to it
         self._stop = threading.Event()
@@ -202,7 +215,7 @@ class PreprocPool:
 
     @property
     def inflight(self) -> int:
-        return len(self._urgent) + len(self._backlog) + sum(len(c.inflight)
+        return self._waiting + sum(len(c.inflight)
                                                              for c in self._children)
 
     @property
@@ -217,9 +230,10 @@ class PreprocPool:
         for t in tasks:
             key = next(self._keys)
             keys.append(key)
-            line = self._urgent if t.urgent else self._backlog
-            line.append(PreprocTask(key, t.slot, t.payload, t.content_type, t.params,
-                                    model=t.model))
+            lines = self._urgent if t.urgent else self._backlog
+            lines[t.model].append(PreprocTask(key, t.slot, t.payload, t.content_type,
+                                              t.params, model=t.model))
+            self._waiting += 1
         self._dispatch()
         return keys
 
@@ -233,16 +247,29 @@ class PreprocPool:
         chunk, in chunks that share what waits among them. (Topping a process up with what
         just came back would shrink the chunks to the size of the records' messages.)"""
         size, most = self._pace.chunk, self._pace.bound - self._pace.chunk
-        while self._urgent or self._backlog:
+        while self._waiting:
             open_ = [c for c in self._children if len(c.inflight) <= most]
             if not open_:
                 return
             child = min(open_, key=lambda c: len(c.inflight))
-            waiting = len(self._urgent) + len(self._backlog)
-            n = min(size, math.ceil(waiting / len(open_)))
-            chunk = [(self._urgent or self._backlog).popleft() for _ in range(n)]
+            n = min(size, math.ceil(self._waiting / len(open_)))
+            chunk = [self._next_task() for _ in range(n)]
             child.inflight.update((task.key, task) for task in chunk)
             child.tasks.put(chunk)
+
+    def _next_task(self) -> PreprocTask:
+        """The next waiting task: urgent ones first, the models taking turns, a task each."""
+        self._waiting -= 1
+        if len(self._models) == 1:
+            return (self._urgent[0] or self._backlog[0]).popleft()
+        n = len(self._models)
+        for lines in (self._urgent, self._backlog):
+            for k in range(n):
+                model = (self._turn + k) % n
+                if lines[model]:
+                    self._turn = (model + 1) % n
+                    return lines[model].popleft()
+        raise AssertionError("a task was counted waiting that no line holds")
 
     def complete(self, records: Sequence[PreprocDone]) -> list[PreprocDone]:
         """Accept finished records; returns those accepted, in order, leaving out stale
@@ -294,7 +321,8 @@ class PreprocPool:
                                                 f"preprocessing process died {strikes} times "
                                                 "on this input", attempt=task.attempt))
                     continue
-            self._urgent.append(replace(task, attempt=task.attempt + 1))
+            self._urgent[task.model].append(replace(task, attempt=task.attempt + 1))
+            self._waiting += 1
         return given_up
 
     def pids(self) -> list[int]:

@@ -139,6 +139,35 @@ def test_one_pool_preprocesses_each_models_inputs_into_its_own_slots() -> None:
     assert int((text_slot[0, 1] > 0).sum()) == 8  # the attention mask of 8 tokens
 
 
+def test_the_models_take_turns_in_the_pools_lines() -> None:
+    # Twelve photos queued before four texts: the texts are preprocessed in turn with the
+    # photos, not after all of them (the order records come back in, whatever the speed).
+    images = SlotArray.create(12, (3, 224, 224), "float32")
+    texts = SlotArray.create(4, (MAX_TEXTS, 2, MAX_TOKENS), "int16")
+    pool = PreprocPool(IMAGE, LimitSettings(), PoolSettings(processes=1), images.layout,
+                       more=[(TEXT, texts.layout)])
+    photo = (SAMPLES / "cat.jpg").read_bytes()
+    order: list[int] = []
+    try:
+        tasks = [Task(i, photo, "image/jpeg", model=0) for i in range(12)] + \
+            [Task(i, b"Call me Ishmael.", "text/plain", model=1) for i in range(4)]
+        messages: queue.Queue[list[PreprocDone]] = queue.Queue()
+        pool.start(on_records=messages.put)
+        keys = pool.submit_many(tasks)
+        model_of = {key: task.model for key, task in zip(keys, tasks, strict=True)}
+        deadline = time.monotonic() + 120
+        while len(order) < len(tasks) and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                order += [model_of[r.key] for r in pool.complete(messages.get(timeout=0.1))]
+    finally:
+        pool.close()
+        images.close()
+        texts.close()
+    assert sorted(order) == [0] * 12 + [1] * 4
+    last_text = max(i for i, model in enumerate(order) if model == 1)
+    assert last_text < 10, order  # interleaved: about one photo before each text
+
+
 # ---------------------------------------------------------------------- a real worker
 
 

@@ -17,9 +17,7 @@ import pytest
 import redis
 from conftest import SAMPLES, SHM_PREFIX, WorkerFactory
 from redbatch.cli.local_stack import stop_worker
-from redbatch.common.config import LimitSettings, PoolSettings
 from redbatch.common.protocol import GROUP, Keys, Lane
-from redbatch.preproc_worker.pool import PreprocPool
 from redbatch.preproc_worker.shm import SHM_DIR, SlotArray, segment_name, sweep_orphans
 from redbatch.producer.client import Client
 
@@ -39,6 +37,25 @@ print(slots.layout.name, flush=True)
 sys.stdin.readline()
 queue.close()
 slots.close()
+"""
+
+
+# A process that makes a segment and starts a pool of one process on it, prints the
+# segment's name and what /dev/shm holds of it (the pool's queue semaphores), and closes.
+POOL_HOLDER = """
+import os, sys
+from redbatch.common.config import LimitSettings, PoolSettings
+from redbatch.preproc_worker.pool import PreprocPool
+from redbatch.preproc_worker.shm import SlotArray
+slots = SlotArray.create(4, (3, 8, 8), "float32", prefix=sys.argv[1])
+pool = PreprocPool("null", LimitSettings(), PoolSettings(processes=1), slots.layout)
+try:
+    pool.start(on_records=lambda records: None)
+    name = slots.layout.name
+    print(name, *[n for n in os.listdir("/dev/shm") if name in n and n != name])
+finally:
+    pool.close()
+    slots.close()
 """
 
 
@@ -94,17 +111,16 @@ def plant(name: str, age_s: float = 0.0) -> str:
 
 
 def test_names_carry_prefix_and_pid_and_the_pool_semaphores_follow(prefix: str) -> None:
-    slots = SlotArray.create(4, (3, 8, 8), "float32", prefix=prefix)
-    pool = PreprocPool("null", LimitSettings(), PoolSettings(processes=1), slots.layout)
-    try:
-        pool.start(on_records=lambda records: None)  # its process's task queue: semaphores
-        name = slots.layout.name
-        assert re.fullmatch(rf"{prefix}-{os.getpid()}-[0-9a-f]{{6}}", name)
-        sems = entries(prefix) - {name}
-        assert sems and all(s.startswith(f"sem.{name}-") for s in sems), sems
-    finally:
-        pool.close()
-        slots.close()
+    # In a fresh interpreter, as a worker is: a library imported by another test (the text
+    # model's reference, sentence-transformers, brings ``multiprocess``) changes how this
+    # process's semaphores are made.
+    out = subprocess.run([sys.executable, "-c", POOL_HOLDER, prefix], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    name, *seen = out.stdout.split()
+    assert re.fullmatch(rf"{prefix}-[0-9]+-[0-9a-f]{{6}}", name)
+    sems = set(seen) - {name}
+    assert sems and all(s.startswith(f"sem.{name}-") for s in sems), sems
     # The longest prefix and pid (2**22) still fit the 31 characters some systems allow.
     assert len("/" + segment_name("p" * 12).replace(f"-{os.getpid()}-", "-4194304-")) == 28
     for bad in ("", "a-b", "p" * 13, "../x", "sem.x"):
