@@ -87,6 +87,9 @@ def test_three_partitions_on_a_cluster_two_workers_answer_every_job(
         for _ in range(2):
             start(cluster.url, "--max-inflight", "4", "--max-batch-size", "2", model=MODEL)
         with Client(cluster.url, model=MODEL) as client:
+            # start() returns once the group has a consumer, which the first worker's is:
+            # both beat (a worker beats once its reader thread runs) before the jobs go.
+            _until(lambda: len(client.workers()) == 2, 120, "two live workers")
             ids = [h.request_id for h in client.submit_many([FOUR] * 90, timeout_s=60)]
             results = client.results(ids, timeout_s=60)
             assert all(res.ok for res in results) and [res.request_id for res in results] == ids
