@@ -4,7 +4,11 @@ NOTE [ ACL roles ]
   Redis 7 selectors bind commands to key patterns: ``(+blpop ~K)`` allows BLPOP on K
   and nothing else there. Every pattern comes from :class:`Keys` (a key built with a
   placeholder id whose tail becomes ``*``), so the rules follow the protocol, and one
-  user may serve several models (each model adds its own patterns).
+  user may serve several models (each model adds its own patterns). A key that lives in
+  each partition (PROTOCOL.md "Partitions") has two patterns: partition 0's (tag ``{M}``)
+  and every other's (tag ``{M#[1-9]*}``), so the users hold for any partition count,
+  raised later too; no other model's tag starts with ``M#`` (no name holds ``#``). The
+  model-wide keys (partition count, workers) are partition 0's only.
 
   producer: submit through the admission script (EVAL/EVALSHA; inside it HGET of the
     limits hash, XLEN, GET/SET of the id's owner key, XADD to the lane stream and XDEL of
@@ -44,12 +48,14 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 from redbatch.common.config import DEFAULT_REDIS_URL
-from redbatch.common.protocol import Keys, Lane
+from redbatch.common.protocol import PARTITION_SEP, Keys, Lane
 from redbatch.common.redis_io import is_cluster
 from redis.cluster import RedisCluster
 
 _ANY = "ANY0"
 """A valid request id, reply name and consumer name: the tail that becomes ``*``."""
+_ANY_PART = 1
+"""The partition whose number in a key's tag becomes ``[1-9]*``: any partition but 0."""
 
 #: Keyless commands both roles send: redis-py's connection set-up, and script loading.
 #: The last three are what a Redis Cluster client reads on connecting: the slot map and the
@@ -104,9 +110,17 @@ def user_name(name: str) -> str:
 
 
 def _glob(key: str) -> str:
-    """``key`` as a literal Redis glob pattern, its placeholder tail made ``*``."""
+    """``key`` as a literal Redis glob pattern, its placeholder tail made ``*`` and its
+    placeholder partition (tag ``{M#1}``) any partition but 0 (``{M#[1-9]*}``)."""
     literal = re.sub(r"([*?\[\]\\])", r"\\\1", key)
+    literal = literal.replace(f"{PARTITION_SEP}{_ANY_PART}}}", f"{PARTITION_SEP}[1-9]*}}", 1)
     return literal[:-len(_ANY)] + "*" if key.endswith(_ANY) else literal
+
+
+def _partitions(models: Sequence[Keys]) -> list[Keys]:
+    """Keys whose patterns cover every partition of ``models``: partition 0's and the
+    placeholder partition's of each."""
+    return [k.part(p) for k in models for p in (0, _ANY_PART)]
 
 
 def _keys(*keys: str, mode: str = "~") -> list[str]:
@@ -123,10 +137,11 @@ def _connection(version: tuple[int, int]) -> list[str]:
 
 def producer_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[str, ...]:
     """Rules of a producer of ``models`` on Redis ``version`` (see NOTE [ ACL roles ])."""
-    streams = [k.stream(lane) for k in models for lane in Lane]
-    limits = [k.limits() for k in models]
-    owners = [k.owner(_ANY) for k in models]
-    answers = [key for k in models
+    parts = _partitions(models)
+    streams = [k.stream(lane) for k in parts for lane in Lane]
+    limits = [k.limits() for k in parts]
+    owners = [k.owner(_ANY) for k in parts]
+    answers = [key for k in parts
                for key in (k.result(_ANY), k.done(_ANY), k.owner(_ANY), k.reply(_ANY))]
     fleets = [k.workers() for k in models]
     records = [k.worker(_ANY) for k in models]
@@ -135,7 +150,7 @@ def producer_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[st
         # EVAL declares its keys read-write, so the script's keys are the root's; what
         # the script may do with them is decided command by command by the selectors.
         *_keys(*streams, *limits, *owners,
-               *(key for k in models for key in (k.result(_ANY), k.done(_ANY)))),
+               *(key for k in parts for key in (k.result(_ANY), k.done(_ANY)))),
         _selector(("xadd", "xdel", "xlen", "xinfo|groups", "xpending"), _keys(*streams)),
         _selector(("hget",), _keys(*limits, mode="%R~")),
         _selector(("exists", "get", "set"), _keys(*owners)),
@@ -149,8 +164,7 @@ def producer_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[st
 
 
 def _partitions_read(models: Sequence[Keys]) -> str:
-    """Both roles read each model's partition count (PROTOCOL.md "Partitions"), read only.
-    The users cover partition 0's keys only: a model of several partitions needs more."""
+    """Both roles read each model's partition count (PROTOCOL.md "Partitions"), read only."""
     return _selector(("lrange",), _keys(*(k.partitions() for k in models), mode="%R~"))
 
 
@@ -166,15 +180,17 @@ _CHECKS = ("type", "watch", "exists", "pttl")
 
 def worker_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[str, ...]:
     """Rules of a worker of ``models`` on Redis ``version`` (see NOTE [ ACL roles ])."""
-    streams = [k.stream(lane) for k in models for lane in Lane]
-    answers = [key for k in models
+    parts = _partitions(models)
+    streams = [k.stream(lane) for k in parts for lane in Lane]
+    answers = [key for k in parts
                for key in (k.result(_ANY), k.done(_ANY), k.owner(_ANY), k.reply(_ANY))]
-    fleet = [key for k in models for key in (k.workers(), k.worker(_ANY), k.recent())]
+    fleet = [*(key for k in models for key in (k.workers(), k.worker(_ANY))),
+             *(k.recent() for k in parts)]
     return (
         "-@all", *_connection(version),
         *(f"+{c}" for c in ("time", "multi", "exec", "discard", "unwatch")),
         _selector((*_STREAM_COMMANDS, *_CHECKS), _keys(*streams)),
-        _selector(("xadd", "xlen", *_CHECKS), _keys(*(k.dlq() for k in models))),
+        _selector(("xadd", "xlen", *_CHECKS), _keys(*(k.dlq() for k in parts))),
         _selector((*_ANSWER_COMMANDS, *_CHECKS), _keys(*answers)),
         _selector((*_FLEET_COMMANDS, *_CHECKS), _keys(*fleet)),
         _partitions_read(models),

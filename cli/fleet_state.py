@@ -2,8 +2,10 @@
 
 ``redbatch status`` and ``redbatch top`` show what :func:`gather` returns; the figures
 come from the streams themselves (XLEN, XINFO GROUPS), the dead-letter stream, the
-workers' heartbeats and the recent-results list ("Fleet status keys" in PROTOCOL.md).
-Reading is a few pipelined round trips per model and writes nothing.
+workers' heartbeats and the recent-results list ("Fleet status keys" in PROTOCOL.md),
+each summed over the model's partitions (PROTOCOL.md "Partitions"), whose own figures
+are kept too. Reading is one round trip for every model's partition count, then two per
+model (every partition's figures in one pipeline, the workers' records), and writes nothing.
 
 Times are compared with Redis's clock (TIME), so the machine running ``status`` may
 be anywhere; heartbeat ages and the throughput window assume the workers' clocks
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
@@ -29,6 +31,7 @@ from redbatch.common.protocol import (
     WorkerRecord,
     job_stream_pattern,
     parse_job_stream,
+    parse_partition_history,
 )
 
 #: Results per second and latency percentiles are taken over this many seconds.
@@ -65,11 +68,25 @@ class WorkerStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class PartitionStatus:
+    """One partition's own figures (PROTOCOL.md "Partitions"): its lanes and dead letters."""
+
+    partition: int
+    dead_letters: int
+    lanes: list[LaneStatus]
+
+
+@dataclass(frozen=True, slots=True)
 class ModelStatus:
     model: str
     dead_letters: int
+    """Summed over the model's partitions, as are the lanes' figures."""
     workers: list[WorkerStatus]
     lanes: list[LaneStatus]
+    partitions: int = 1
+    """The model's partition count now."""
+    by_partition: list[PartitionStatus] = field(default_factory=list)
+    """Each partition's figures, with several partitions (empty with one)."""
 
     @property
     def workers_alive(self) -> int:
@@ -111,27 +128,64 @@ def gather(r: redis.Redis, prefix: str, models: Sequence[str] | None = None,
     seconds, micros = r.time()
     now_ms = seconds * 1000 + micros // 1000
     names = list(models) if models else discover_models(r, prefix)
+    counts = _partition_counts(r, [Keys(m, prefix) for m in names])
     return FleetStatus(prefix, now_ms, window_s,
-                       [_model_status(r, Keys(m, prefix), now_ms, window_s) for m in names])
+                       [_model_status(r, Keys(m, prefix), count, now_ms, window_s)
+                        for m, count in zip(names, counts, strict=True)])
 
 
-def _model_status(r: redis.Redis, keys: Keys, now_ms: int, window_s: float) -> ModelStatus:
+def _partition_counts(r: redis.Redis, models: Sequence[Keys]) -> list[int]:
+    """Each model's partition count, in one pipelined round trip (1 when unreadable)."""
+    if not models:
+        return []
     pipe = r.pipeline(transaction=False)
-    for stream in keys.streams():
-        pipe.xlen(stream)
-        pipe.xinfo_groups(stream)  # an error reply while the stream does not exist
-    DeadLetters(keys).length(pipe)
-    pipe.zrange(keys.workers(), 0, -1, withscores=True)
-    pipe.lrange(keys.recent(), 0, RECENT_MAX - 1)
-    replies = pipe.execute(raise_on_error=False)
+    for keys in models:
+        pipe.lrange(keys.partitions(), 0, -1)
+    replies = _raise_lost(pipe.execute(raise_on_error=False))
+    return [parse_partition_history(None if isinstance(raw, Exception) else raw)[-1]
+            for raw in replies]
+
+
+def _raise_lost(replies: list[Any]) -> list[Any]:
+    """The replies, unless one says Redis could not be reached (raised then)."""
     for reply in replies:
         if isinstance(reply, (redis.ConnectionError, redis.TimeoutError)):
             raise reply
-    *per_lane, dlq_len, members, recent = replies
-    records = _decode_recent(recent)
-    lanes = [_lane_status(lane, per_lane[2 * i], per_lane[2 * i + 1], records, now_ms, window_s)
+    return replies
+
+
+#: Replies per partition in _model_status's pipeline: XLEN and XINFO GROUPS per lane,
+#: the dead letters' XLEN, the recent results' LRANGE.
+_PER_PARTITION = 2 * len(Lane) + 2
+
+
+def _model_status(r: redis.Redis, keys: Keys, count: int, now_ms: int,
+                  window_s: float) -> ModelStatus:
+    """One model's figures: every partition's in one pipeline (on a cluster, redis-py sends
+    each command to its partition's master), then the live workers' records."""
+    pipe = r.pipeline(transaction=False)
+    for part in keys.parts(count):
+        for stream in part.streams():
+            pipe.xlen(stream)
+            pipe.xinfo_groups(stream)  # an error reply while the stream does not exist
+        DeadLetters(part).length(pipe)
+        pipe.lrange(part.recent(), 0, RECENT_MAX - 1)
+    pipe.zrange(keys.workers(), 0, -1, withscores=True)
+    *per_part, members = _raise_lost(pipe.execute(raise_on_error=False))
+    parts: list[PartitionStatus] = []
+    records: list[RecentResult] = []
+    for p in range(count):
+        *per_lane, dlq_len, recent = per_part[p * _PER_PARTITION:(p + 1) * _PER_PARTITION]
+        mine = _decode_recent(recent)
+        records += mine
+        parts.append(PartitionStatus(p, _int(dlq_len), [
+            _lane_status(lane, per_lane[2 * i], per_lane[2 * i + 1], mine, now_ms, window_s)
+            for i, lane in enumerate(Lane)]))
+    lanes = [_lane_total(lane, [part.lanes[i] for part in parts], records, now_ms, window_s)
              for i, lane in enumerate(Lane)]
-    return ModelStatus(keys.model, _int(dlq_len), _workers(r, keys, members, now_ms), lanes)
+    return ModelStatus(keys.model, sum(part.dead_letters for part in parts),
+                       _workers(r, keys, members, now_ms), lanes, count,
+                       parts if count > 1 else [])
 
 
 def _int(reply: Any) -> int:
@@ -140,6 +194,7 @@ def _int(reply: Any) -> int:
 
 def _lane_status(lane: Lane, length: Any, groups: Any, records: list[RecentResult],
                  now_ms: int, window_s: float) -> LaneStatus:
+    """One partition's lane (the model's, with one partition)."""
     length = _int(length)
     group = next((g for g in groups if g.get("name") in (GROUP, GROUP.encode())), None) \
         if isinstance(groups, list) else None
@@ -149,14 +204,33 @@ def _lane_status(lane: Lane, length: Any, groups: Any, records: list[RecentResul
         # Redis < 7, or a lag Redis cannot tell after deletions: workers delete every
         # answered entry, so what is in the stream and not pending is what nobody read.
         lag = max(0, length - pending)
-    mine = [x for x in records if x.lane is lane]
-    done, per_s = _window(mine, now_ms, window_s)
-    # Latency of ok results only, as the Prometheus histograms count it: an error answered
-    # at once (expired, bad input) would pull the percentiles down.
-    totals = sorted(x.total_ms for x in done if x.total_ms is not None and x.outcome == "ok")
+    done, per_s = _window([x for x in records if x.lane is lane], now_ms, window_s)
+    p50, p99 = _latencies(done)
     return LaneStatus(lane.value, length, pending, int(lag), len(done),
-                      sum(x.outcome != "ok" for x in done), per_s,
-                      _percentile(totals, 0.50), _percentile(totals, 0.99))
+                      sum(x.outcome != "ok" for x in done), per_s, p50, p99)
+
+
+def _lane_total(lane: Lane, parts: list[LaneStatus], records: list[RecentResult],
+                now_ms: int, window_s: float) -> LaneStatus:
+    """A lane over every partition: counts and rates summed (each partition's recent list
+    is capped on its own, so each rate is taken over its own span), latency percentiles
+    over every partition's results in the window."""
+    if len(parts) == 1:
+        return parts[0]
+    since = now_ms - window_s * 1000
+    p50, p99 = _latencies([x for x in records if x.lane is lane and x.finished_ms >= since])
+    return LaneStatus(lane.value, sum(x.length for x in parts), sum(x.pending for x in parts),
+                      sum(x.lag for x in parts), sum(x.results for x in parts),
+                      sum(x.errors for x in parts), sum(x.results_per_s for x in parts),
+                      p50, p99)
+
+
+def _latencies(done: list[RecentResult]) -> tuple[float | None, float | None]:
+    """p50 and p99 end to end of the ok results among ``done``, as the Prometheus
+    histograms count them: an error answered at once (expired, bad input) would pull the
+    percentiles down."""
+    totals = sorted(x.total_ms for x in done if x.total_ms is not None and x.outcome == "ok")
+    return _percentile(totals, 0.50), _percentile(totals, 0.99)
 
 
 def _decode_recent(raw: Any) -> list[RecentResult]:
@@ -174,7 +248,7 @@ def _window(records: list[RecentResult], now_ms: int,
             window_s: float) -> tuple[list[RecentResult], float]:
     """The records of the last ``window_s`` and their rate per second.
 
-    The list is capped at RECENT_MAX for the whole model: when it is full and its
+    The list is capped at RECENT_MAX for the whole partition: when it is full and its
     oldest record is inside the window, the rate is taken over the span it covers.
     """
     since = now_ms - window_s * 1000

@@ -15,7 +15,7 @@ from typing import TextIO
 from redbatch.cli.fleet_state import FleetStatus, ModelStatus, WorkerStatus
 
 LANE_COLUMNS = ("MODEL", "LANE", "LENGTH", "PENDING", "LAG", "DLQ", "WORKERS", "LAST_BEAT",
-                "RESULTS/S", "P50_MS", "P99_MS", "ERRORS")
+                "PARTS", "RESULTS/S", "P50_MS", "P99_MS", "ERRORS")
 WORKER_COLUMNS = ("WORKER", "MODEL", "STATE", "HOST", "PID", "DEVICE", "MAX_BATCH", "INFLIGHT",
                   "LAST_BEAT", "UP", "VERSION", "METRICS")
 _LEFT = {"MODEL", "LANE", "WORKER", "STATE", "HOST", "DEVICE", "VERSION"}
@@ -30,7 +30,8 @@ _LEAVE = "\x1b[?25h\x1b[?1049l"
 
 
 def render(status: FleetStatus) -> str:
-    """The status as text: a title, one row per model and lane, then one row per worker."""
+    """The status as text: a title, one row per model and lane (summed over the model's
+    partitions: ``PARTS`` is their count), then one row per worker."""
     when = datetime.fromtimestamp(status.now_ms / 1000, timezone.utc).strftime("%H:%M:%S UTC")
     title = (f"redbatch  prefix {status.prefix}  {when}  "
              f"results, rates and latencies over the last {status.window_s:g} s")
@@ -49,8 +50,10 @@ def _lane_rows(model: ModelStatus) -> list[list[str]]:
     beat = _age(max(w.heartbeat_age_s for w in alive)) if alive else "-"
     rows = []
     for i, lane in enumerate(model.lanes):
-        # Dead letters and workers belong to the model: shown once, on its first lane.
-        per_model = [str(model.dead_letters), str(len(alive)), beat] if i == 0 else ["", "", ""]
+        # Dead letters, workers and partitions belong to the model: shown once, on its
+        # first lane. Queue figures and dead letters are summed over its partitions.
+        per_model = [str(model.dead_letters), str(len(alive)), beat, str(model.partitions)] \
+            if i == 0 else ["", "", "", ""]
         rows.append([model.model if i == 0 else "", lane.lane, str(lane.length),
                      str(lane.pending), str(lane.lag), *per_model,
                      f"{lane.results_per_s:.1f}", _ms(lane.p50_ms), _ms(lane.p99_ms),

@@ -3,13 +3,15 @@ dead-lettered.
 
 ``limit`` bounds a lane's queue (admission control) and ``job`` shows or cancels one job,
 both through the producer's :class:`Client`; ``dlq`` lists, replays and deletes dead
-letters through ``producer/dlq.py``. All act on one model's keys.
+letters through ``producer/dlq.py``; ``partitions`` shows or raises the partition count.
+All act on one model's keys, in every partition of it (PROTOCOL.md "Partitions").
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import click
 import redis
@@ -28,6 +30,8 @@ from redbatch.common.protocol import (
 from redbatch.producer import dlq as dead_letters
 from redbatch.producer.client import Client
 
+T = TypeVar("T")
+
 
 @click.command()
 @o.common_options
@@ -41,7 +45,9 @@ def limit(lane: str | None, max_jobs: int | None, clear: bool, **options: Any) -
     """Bound a lane's queue (admission control), clear the bound, or show both lanes.
 
     Prints one JSON line per lane: its bound (null: unbounded) and the jobs its queue holds.
-    Without --redis, the worker's default Redis URL is used.
+    A model of several partitions has the bound in each (set in all of them here): the line
+    then says how many, with the jobs summed and each partition's own figures. Without
+    --redis, the worker's default Redis URL is used.
     """
     setup_logging(options["log_level"])
     if max_jobs is not None and clear:
@@ -54,8 +60,13 @@ def limit(lane: str | None, max_jobs: int | None, clear: bool, **options: Any) -
         if lane is not None and (max_jobs is not None or clear):
             client.set_queue_limit(lane, max_jobs)
         for state in (client.queue_state(each) for each in Lane):
-            click.echo(json.dumps({"model": name, "lane": state.lane.value,
-                                   "max_jobs": state.bound, "queued": state.queued}))
+            shown: dict[str, Any] = {"model": name, "lane": state.lane.value,
+                                     "max_jobs": state.bound, "queued": state.queued}
+            if state.partitions:
+                shown["partitions"] = len(state.partitions)
+                shown["by_partition"] = [{"max_jobs": bound, "queued": queued}
+                                         for queued, bound in state.partitions]
+            click.echo(json.dumps(shown))
 
 
 @click.command()
@@ -80,9 +91,11 @@ def partitions(count: int | None, **options: Any) -> None:
             raise click.ClickException(str(e)) from None
     history = parse_partition_history(r.lrange(keys.partitions(), 0, -1))
     bounds = cast(dict[Any, Any], r.hgetall(keys.limits()))
-    for p in range(before[-1], history[-1]):
-        if bounds:
-            r.hset(keys.part(p).limits(), mapping=bounds)
+    if bounds and history[-1] > before[-1]:
+        pipe = r.pipeline(transaction=False)
+        for p in range(before[-1], history[-1]):
+            pipe.hset(keys.part(p).limits(), mapping=bounds)
+        pipe.execute()
     click.echo(json.dumps({"model": keys.model, "partitions": history[-1],
                            "history": list(history)}))
 
@@ -135,7 +148,8 @@ def _job_record(status: JobStatus, model: str) -> dict[str, Any]:
 
 @click.group()
 def dlq() -> None:
-    """Look at and replay dead letters (jobs that will not run again)."""
+    """Look at and replay dead letters (jobs that will not run again), in every partition
+    of the model."""
 
 
 def _dlq_target(options: dict[str, Any]) -> tuple[redis.Redis, Keys]:
@@ -146,15 +160,21 @@ def _dlq_target(options: dict[str, Any]) -> tuple[redis.Redis, Keys]:
 
 #: Every dead letter instead of the IDS named (retry, purge).
 _ALL = o.option("--all", "everything", env=None, is_flag=True)
+#: One partition's dead letters only (list, retry, purge).
+_PARTITION = click.option(
+    "--partition", type=click.IntRange(min=0), default=None,
+    help="Only this partition's dead letters (as `dlq list` shows them) [default: every "
+         "partition's].")
 
 
 @dlq.command("list")
 @o.common_options
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many.")
-def dlq_list(limit: int | None, **options: Any) -> None:
-    """Print one JSON line per dead letter, oldest first."""
+@_PARTITION
+def dlq_list(limit: int | None, partition: int | None, **options: Any) -> None:
+    """Print one JSON line per dead letter, oldest first, with its partition."""
     r, keys = _dlq_target(options)
-    for entry in dead_letters.entries(r, keys, limit):
+    for entry in _or_bad_input(lambda: list(dead_letters.entries(r, keys, limit, partition))):
         click.echo(json.dumps(entry))
 
 
@@ -162,13 +182,17 @@ def dlq_list(limit: int | None, **options: Any) -> None:
 @o.common_options
 @click.argument("ids", nargs=-1)
 @_ALL(help="Retry every dead letter.")
-def dlq_retry(ids: tuple[str, ...], everything: bool, **options: Any) -> None:
-    """Requeue the dead letters IDS (as `dlq list` shows them), or --all."""
+@_PARTITION
+def dlq_retry(ids: tuple[str, ...], everything: bool, partition: int | None,
+              **options: Any) -> None:
+    """Requeue the dead letters IDS (as `dlq list` shows them), or --all. Each job goes to
+    the partition its request id maps to under the model's partition count now."""
     if not ids and not everything:
         raise click.UsageError("name dead-letter IDS or pass --all")
     r, keys = _dlq_target(options)
     try:
-        click.echo(f"requeued {dead_letters.retry(r, keys, list(ids))}")
+        requeued = _or_bad_input(lambda: dead_letters.retry(r, keys, list(ids), partition))
+        click.echo(f"requeued {requeued}")
     except dead_letters.RetryQueueFull as e:
         click.echo(f"requeued {e.requeued}")
         raise click.ClickException(str(e)) from e
@@ -178,9 +202,20 @@ def dlq_retry(ids: tuple[str, ...], everything: bool, **options: Any) -> None:
 @o.common_options
 @click.argument("ids", nargs=-1)
 @_ALL(help="Delete every dead letter.")
-def dlq_purge(ids: tuple[str, ...], everything: bool, **options: Any) -> None:
+@_PARTITION
+def dlq_purge(ids: tuple[str, ...], everything: bool, partition: int | None,
+              **options: Any) -> None:
     """Delete the dead letters IDS, or --all."""
     if not ids and not everything:
         raise click.UsageError("name dead-letter IDS or pass --all")
     r, keys = _dlq_target(options)
-    click.echo(f"deleted {dead_letters.purge(r, keys, list(ids))}")
+    deleted = _or_bad_input(lambda: dead_letters.purge(r, keys, list(ids), partition))
+    click.echo(f"deleted {deleted}")
+
+
+def _or_bad_input(run: Callable[[], T]) -> T:
+    """``run()``; a partition the model does not have is one line (BadInput)."""
+    try:
+        return run()
+    except dead_letters.NoSuchPartition as e:
+        raise BadInput(str(e)) from None

@@ -2,7 +2,10 @@
 
 A thread of its own with its own Redis connection, so a slow XINFO never delays
 reading jobs. Each sample that reaches Redis also keeps /readyz green; a Redis
-error only skips that sample (the intake thread already logs the outage).
+error only skips that sample (the intake thread already logs the outage). The stream
+and dead-letter gauges are summed over the model's partitions (PROTOCOL.md "Partitions"),
+whose count the sampler reads again every few seconds as the intake does; one pipeline
+reads them all.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import redis
 from redbatch.common.protocol import GROUP, DeadLetters, Keys, Lane
 from redbatch.common.redis_io import REDIS_ERRORS
 from redbatch.gpu_worker.metrics import Health, WorkerMetrics
+from redbatch.gpu_worker.partitions import PartitionSet
 
 logger = logging.getLogger(__name__)
 
@@ -23,12 +27,14 @@ SAMPLE_INTERVAL_S = 2.0
 
 
 class Sampler:
-    """Samples stream length, pending and lag per lane, dead letters and GPU memory."""
+    """Samples stream length, pending and lag per lane and dead letters (each summed over
+    the model's partitions), and GPU memory."""
 
     def __init__(self, r: redis.Redis, keys: Keys, metrics: WorkerMetrics, health: Health,
                  device: str, interval_s: float = SAMPLE_INTERVAL_S) -> None:
         self._redis = r
         self.keys = keys
+        self.partitions = PartitionSet(r, keys)
         self.metrics = metrics
         self.health = health
         self.device = device
@@ -54,21 +60,25 @@ class Sampler:
             self._sample_gpu()
 
     def _sample_redis(self) -> None:
+        self.partitions.refresh()
         pipe = self._redis.pipeline(transaction=False)
-        for lane in Lane:
-            pipe.xlen(self.keys.stream(lane))
-            pipe.xinfo_groups(self.keys.stream(lane))
-        DeadLetters(self.keys).length(pipe)
+        for keys in self.partitions.parts:
+            for lane in Lane:
+                pipe.xlen(keys.stream(lane))
+                pipe.xinfo_groups(keys.stream(lane))
+            DeadLetters(keys).length(pipe)
         # A stream deleted under us answers XINFO with an error: that lane reads as empty.
         replies = pipe.execute(raise_on_error=False)
+        each = 2 * len(Lane) + 1
         for i, lane in enumerate(Lane):
-            length, groups = replies[2 * i], replies[2 * i + 1]
-            if isinstance(length, Exception):
-                continue
-            pending, lag = group_state(groups, int(length))
-            self.metrics.stream_state(lane.value, int(length), pending, lag)
-        if not isinstance(replies[-1], Exception):
-            self.metrics.dead_letters.set(int(replies[-1]))
+            states = [_lane_state(replies[p * each + 2 * i], replies[p * each + 2 * i + 1])
+                      for p in range(self.partitions.count)]
+            read = [state for state in states if state is not None]
+            if read:  # a partition's error reply leaves it out of the sum
+                self.metrics.stream_state(lane.value, *(sum(x) for x in zip(*read, strict=True)))
+        dead = [reply for reply in replies[each - 1::each] if not isinstance(reply, Exception)]
+        if dead:
+            self.metrics.dead_letters.set(sum(int(n) for n in dead))
 
     def _sample_gpu(self) -> None:
         import torch
@@ -78,6 +88,14 @@ class Sampler:
                                     torch.cuda.memory_reserved(self.device))
         except Exception:  # a broken device is the model thread's to report, not ours
             logger.debug("sampling GPU memory failed", exc_info=True)
+
+
+def _lane_state(length: Any, groups: Any) -> tuple[int, int, int] | None:
+    """(length, pending, lag) of one partition's lane; None when its XLEN failed."""
+    if isinstance(length, Exception):
+        return None
+    pending, lag = group_state(groups, int(length))
+    return int(length), pending, lag
 
 
 def group_state(groups: Any, length: int) -> tuple[int, int]:

@@ -5,6 +5,16 @@ BLMPOP (up to COLLECT_CHUNK ids) on one key however many jobs are in flight;
 results are deleted from Redis once written to the output, so neither Redis
 nor this process grows with the number of inputs.
 
+NOTE [ Scoring a partitioned model ]
+  Each job goes to the partition its request id maps to (PROTOCOL.md "Partitions"), as
+  any client's does, so its result's keys follow from its id alone. The run has a reply
+  list of the same name in each partition its jobs went to (the client points each job at
+  its own partition's: ``ClientCore._place``), and keeps each job's partition
+  (``run_parts.py``). Collecting is one BLMPOP of every list on one Redis; on a cluster,
+  where the lists lie in different slots, one list per round, in turn, each for its share
+  of the wait. Reading results and freeing their keys take one MGET and one DEL per
+  partition, pipelined.
+
 NOTE [ Interrupting a scoring run ]
   The first SIGINT/SIGTERM stops submitting; jobs in flight are collected
   for ``grace_s`` and written; the rest are left out of the output, so
@@ -38,15 +48,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import redis
-from redbatch.common.protocol import (
-    AnswerKeys,
-    JobEnvelope,
-    Lane,
-    OwnerKeys,
-    RedbatchError,
-    ReplyList,
-    ResultEnvelope,
-)
+from redbatch.common.protocol import JobEnvelope, Lane, ResultEnvelope
 from redbatch.common.redis_io import REDIS_ERRORS
 from redbatch.producer.client import Client, DuplicateRequestId, QueueFull
 from redbatch.producer.errors import RESULT_TIMEOUT
@@ -54,6 +56,7 @@ from redbatch.producer.inputs import Item
 from redbatch.producer.output import DoneIndex, OutputWriter, record, result_record
 from redbatch.producer.pacing import Waiting, WaitingLine
 from redbatch.producer.progress import Progress, RunStats
+from redbatch.producer.run_parts import Part, RunParts
 
 #: Jobs sent per pipelined round trip while filling the window.
 SUBMIT_CHUNK = 64
@@ -83,6 +86,8 @@ class ScoreSettings:
 class _InFlight:
     item: Item
     sent: float
+    #: The partition its job went to.
+    part: Part
 
 
 class BulkScorer:
@@ -98,8 +103,9 @@ class BulkScorer:
         self.progress = progress
         self.stopping = threading.Event()
         self.aborting = threading.Event()
-        self._reply = ReplyList(client.keys().reply(f"run-{uuid.uuid4().hex[:12]}"))
-        self._owners, self._answers = OwnerKeys(client.keys()), AnswerKeys(client.keys())
+        self._parts = RunParts(client.redis, client.keys(), f"run-{uuid.uuid4().hex[:12]}")
+        #: What every job names: partition 0's list (the client re-points it).
+        self._reply = self._parts.first.reply
         self._inflight: dict[str, _InFlight] = {}
         #: Items refused by admission control, submitted before any new one (see pacing.py).
         self._line = WaitingLine()
@@ -117,12 +123,7 @@ class BulkScorer:
     # ------------------------------------------------------------------ main loop
 
     def run(self, items: Iterator[Item]) -> bool:
-        """Score every item; True when all were written, False when stopped early. Raises
-        RedbatchError for a model of several partitions (its run's reply list, owners and
-        answers are partition 0's: scoring is not partition-aware yet)."""
-        if self.client.partitions()[-1] > 1:
-            raise RedbatchError(f"model {self.client.model} has several partitions: score "
-                             "does not serve partitioned models yet")
+        """Score every item; True when all were written, False when stopped early."""
         pending = self._unseen(items)
         drain_until: float | None = None
         while not self.aborting.is_set():
@@ -143,9 +144,9 @@ class BulkScorer:
         if self.progress:
             self.progress.finish()
         try:
-            self._reply.delete(self.client.redis)
+            self._parts.delete()
         except (redis.ConnectionError, redis.TimeoutError):
-            pass  # the list expires on its own
+            pass  # the lists expire on their own
         return self._exhausted and not self._inflight and not self._line
 
     def _unseen(self, items: Iterator[Item]) -> Iterator[Item]:
@@ -278,7 +279,8 @@ class BulkScorer:
             return 0, 0
         now = time.monotonic()
         for rid in admitted:
-            self._inflight[rid] = _InFlight(entries[rid].item, now)
+            part = self._parts.of(self.client.placed_keys(rid))
+            self._inflight[rid] = _InFlight(entries[rid].item, now, part)
         self._line.refused((entries[rid] for rid in refused), now)
         return len(admitted), len(refused)
 
@@ -292,7 +294,7 @@ class BulkScorer:
         if not self.stopping.is_set():
             wait = self._line.wait_s(wait, time.monotonic())
         try:
-            ids = self._reply.pop(self.client.redis, wait, COLLECT_CHUNK)
+            ids = self._parts.pop(wait, COLLECT_CHUNK)
         except REDIS_ERRORS:
             time.sleep(WAIT_SLICE_S)  # results are durable; the sweep finds any lost id
             return
@@ -309,7 +311,7 @@ class BulkScorer:
             chunk = old[start:start + COLLECT_CHUNK]
             pipe = self.client.redis.pipeline(transaction=False)
             for rid in chunk:
-                self._answers.exists(pipe, rid)
+                self._inflight[rid].part.answers.exists(pipe, rid)
             try:
                 found = pipe.execute()
             except REDIS_ERRORS:
@@ -319,13 +321,16 @@ class BulkScorer:
     def _write_results(self, ids: list[str]) -> None:
         if not ids:
             return
-        r = self.client.redis
+        groups: dict[int, list[str]] = {}
+        for rid in ids:
+            groups.setdefault(self._inflight[rid].part.keys.partition, []).append(rid)
+        ids = [rid for group in groups.values() for rid in group]
         try:
-            raw = self._answers.read(r, ids)
+            raw = self._parts.read(groups)
         except REDIS_ERRORS:
             return  # still in flight: the next sweep finds their results
         try:  # read once: free Redis now (or they expire), the id's claim with them
-            self._owners.free(r, ids)
+            self._parts.free(groups)
         except REDIS_ERRORS:
             pass
         now = time.monotonic()

@@ -56,17 +56,26 @@ PARTITIONS_REFRESH_S = 5.0
 
 @dataclass(frozen=True, slots=True)
 class QueueState:
-    """One lane's queue: entries in its stream (queued or in progress) and its bound."""
+    """One lane's queue: entries in its streams (queued or in progress) and its bound. A
+    bound holds per partition (PROTOCOL.md "Partitions"): ``queued`` counts every
+    partition's stream, ``bound`` is partition 0's (``set_queue_limit`` sets them all),
+    and ``partitions`` holds each partition's own figures."""
 
     lane: Lane
     queued: int
-    #: Most entries admitted; None: unbounded.
+    #: Most entries admitted (per partition); None: unbounded.
     bound: int | None
+    #: Each partition's ``(queued, bound)``, partition p at index p; empty: one partition.
+    partitions: tuple[tuple[int, int | None], ...] = ()
 
     @property
     def room(self) -> int | None:
-        """Jobs that would be admitted now (absent other producers); None: unbounded."""
-        return None if self.bound is None else max(0, self.bound - self.queued)
+        """Jobs that would be admitted now (absent other producers), summed over the
+        partitions; None: a partition is unbounded."""
+        parts = self.partitions or ((self.queued, self.bound),)
+        if any(bound is None for _, bound in parts):
+            return None
+        return sum(max(0, (bound or 0) - queued) for queued, bound in parts)
 
 
 class ClientCore:
@@ -165,16 +174,28 @@ class ClientCore:
 
     def _place(self, jobs: Sequence[JobEnvelope]) -> list[JobEnvelope]:
         """The jobs, each naming the client's reply list of its own partition where it
-        named the client's list of partition 0 (``_reply_to``)."""
+        named the client's list of partition 0 (``_reply_to``), and any other reply list
+        of its model (``redbatch score``'s) in the job's own partition, the same NAME: a
+        worker answers a job naming a list of another partition ``bad_envelope``."""
         placed = []
         for job in jobs:
             keys = self._job_keys(job.model, job.request_id)
             first = self.reply_waits.get(job.model)
-            if keys.partition and first is not None and job.reply_to == first.key:
-                waits = self._waits_for(keys)
-                job = replace(job, reply_to=None if waits.polling else waits.key)
+            if first is not None and job.reply_to == first.key:
+                if keys.partition:
+                    waits = self._waits_for(keys)
+                    job = replace(job, reply_to=None if waits.polling else waits.key)
+            elif job.reply_to is not None and (name := keys.reply_name(job.reply_to)) \
+                    and job.reply_to != keys.reply(name):
+                job = replace(job, reply_to=keys.reply(name))
             placed.append(job)
         return placed
+
+    def placed_keys(self, request_id: str, model: str | None = None) -> Keys:
+        """The keys of the partition a job of ``request_id`` submitted by this client just
+        now went to: its id's partition under the count the client read last, which its
+        submit read (or trusted) before sending (PROTOCOL.md "Partitions")."""
+        return self._job_keys(model, request_id)
 
     def _record(self, jobs: Sequence[JobEnvelope]) -> None:
         """Remember the jobs that name the client's reply list, before they are sent."""
@@ -237,11 +258,16 @@ class ClientCore:
             yield Pipelined(calls)
 
     def _queue_state(self, lane: Lane | str, model: str | None) -> Steps[QueueState]:
-        """The lane's backlog (XLEN of its stream) and bound, in one round trip."""
-        keys, lane = self.keys(model), Lane(lane)
-        queued, raw = yield Pipelined((Command(("XLEN", keys.stream(lane))),
-                                       Command(("HGET", keys.limits(), lane.value))))
-        return QueueState(lane, int(queued), parse_queue_bound(raw))
+        """The lane's backlog (XLEN of its stream) and bound in every partition, in one
+        round trip (and one for the partition count, when due)."""
+        count = (yield from self._history(model))[-1]
+        parts, lane = self.keys(model).parts(count), Lane(lane)
+        replies = yield Pipelined(tuple(call for keys in parts for call in (
+            Command(("XLEN", keys.stream(lane))), Command(("HGET", keys.limits(), lane.value)))))
+        each = [(int(replies[2 * p]), parse_queue_bound(replies[2 * p + 1]))
+                for p in range(count)]
+        return QueueState(lane, sum(queued for queued, _ in each), each[0][1],
+                          tuple(each) if count > 1 else ())
 
     def _workers(self, model: str | None) -> Steps[list[WorkerRecord]]:
         """The live workers of the model: the members of its workers set whose heartbeat

@@ -1,9 +1,12 @@
 """Partitions (PROTOCOL.md "Partitions") on a real Redis Cluster (3 masters, 3 replicas;
-tests/cluster.py): each partition's transactions stay in its own slot, and a client and
-two real workers serve a model of three partitions, spread over the masters."""
+tests/cluster.py): each partition's transactions stay in its own slot, a client and
+two real workers serve a model of three partitions, spread over the masters, and the
+commands over every partition (acl users, score, status, dlq) work across slots."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +14,8 @@ import pytest
 import redis
 import redis.cluster
 from cluster import LocalCluster
+from conftest import settings_free_env
+from redbatch.cli.acl_rules import user_url
 from redbatch.common import protocol as p
 from redbatch.common.protocol import AnswerKeys, DeadLetters, JobEnvelope, Keys, Lane, ReplyList
 from redbatch.common.redis_io import connect
@@ -20,7 +25,16 @@ from redbatch.producer.client import Client
 from redbatch.producer.core import _admit
 from redis.crc import key_slot
 from spawned_workers import spawned_workers
-from test_partitions import raise_while_submitting
+from test_partitions import (
+    CLI,
+    PASSWORDS,
+    _dead_letter,
+    _manifest,
+    _moving,
+    _until,
+    cli,
+    raise_while_submitting,
+)
 
 MODEL = "null_tensor"
 FOUR = b"\0" * 16
@@ -73,6 +87,9 @@ def test_three_partitions_on_a_cluster_two_workers_answer_every_job(
         for _ in range(2):
             start(cluster.url, "--max-inflight", "4", "--max-batch-size", "2", model=MODEL)
         with Client(cluster.url, model=MODEL) as client:
+            # start() returns once the group has a consumer, which the first worker's is:
+            # both beat (a worker beats once its reader thread runs) before the jobs go.
+            _until(lambda: len(client.workers()) == 2, 120, "two live workers")
             ids = [h.request_id for h in client.submit_many([FOUR] * 90, timeout_s=60)]
             results = client.results(ids, timeout_s=60)
             assert all(res.ok for res in results) and [res.request_id for res in results] == ids
@@ -96,3 +113,55 @@ def test_raising_partitions_on_a_cluster_while_jobs_queue_and_come_loses_nothing
     with spawned_workers(tmp_path) as start:
         raise_while_submitting(cluster.url, rc, lambda: start(
             cluster.url, "--max-inflight", "8", "--max-batch-size", "4", model=MODEL))
+
+
+def test_acl_users_score_status_and_dlq_over_partitions_on_three_masters(
+        cluster: LocalCluster, rc: redis.Redis, tmp_path: Path) -> None:
+    """P raised from 2 to 3, its partitions on three masters: a worker and `score` logged
+    in as the users `acl --apply` made serve every partition (the run's reply lists lie in
+    three slots, collected one at a time) and no node refuses them; `status` sums the
+    partitions; `dlq retry` moves a letter of partition 1 to its id's partition under 3,
+    on another master (two transactions), where the worker answers it."""
+    model = Keys(MODEL)
+    rc.eval(p.RAISE_PARTITIONS_SCRIPT, 1, model.partitions(), 2)
+    rid = _moving(2)[1][1]  # partition 1 under 2, another under 3
+    _dead_letter(rc, model.of(rid, 2), rid)
+    assert cli(cluster.url, "partitions", "--model", MODEL, "--set", "3").returncode == 0
+    assert cluster.master_of(model.of(rid, 2).dlq()).port != \
+        cluster.master_of(model.of(rid, 3).stream(Lane.BULK)).port
+    applied = subprocess.run([*CLI, "acl", "--model", MODEL, "--apply", "--redis", cluster.url],
+                             capture_output=True, text=True, timeout=60,
+                             env={**settings_free_env(), **PASSWORDS})
+    assert applied.returncode == 0, applied.stderr
+    urls = {role: user_url(cluster.url, f"redbatch-{role}",
+                           PASSWORDS[f"REDBATCH_ACL_{role.upper()}_PASSWORD"])
+            for role in ("producer", "worker")}
+    with spawned_workers(tmp_path) as start:
+        start(urls["worker"], model=MODEL, ready_url=cluster.url)
+        out = tmp_path / "out.jsonl"
+        scored = subprocess.run([*CLI, "score", str(_manifest(tmp_path / "in", 60)), "--model",
+                                 MODEL, "-o", str(out), "--redis", urls["producer"]],
+                                capture_output=True, text=True, timeout=120,
+                                env=settings_free_env())
+        assert scored.returncode == 0, scored.stderr[-3000:]
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        assert len(records) == 60 and all(rec["status"] == "ok" for rec in records)
+        junk = model.part(2)
+        rc.xadd(junk.stream(Lane.INTERACTIVE), {"junk": b"x"})  # no request id
+        _until(lambda: rc.xlen(junk.dlq()), 30, "the junk's dead letter")
+        retried = cli(cluster.url, "dlq", "retry", "--all", "--model", MODEL)
+        assert retried.returncode == 0 and "requeued 1" in retried.stdout, retried
+        with Client(cluster.url, model=MODEL) as client:
+            assert client.result(rid, timeout_s=60).ok
+        assert rc.exists(model.of(rid, 3).result(rid))
+        assert not rc.exists(model.of(rid, 2).result(rid))
+        assert rc.xlen(model.of(rid, 2).dlq()) == 0
+        status = cli(cluster.url, "status", "--json", "--model", MODEL)
+        assert status.returncode == 0, status.stderr
+        (shown,) = json.loads(status.stdout)["models"]
+        assert (shown["partitions"], shown["dead_letters"], shown["workers_alive"]) == (3, 1, 1)
+        assert [x["dead_letters"] for x in shown["by_partition"]] == [0, 0, 1]
+        assert sum(x["lanes"][1]["results"] for x in shown["by_partition"]) >= 60
+    for node in cluster.nodes:
+        log = redis.Redis.from_url(cluster.node_url(node)).acl_log()
+        assert not [e for e in log if str(e.get("username")).startswith("redbatch-")], node.port

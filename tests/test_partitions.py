@@ -1,24 +1,42 @@
 """Partitions (PROTOCOL.md "Partitions"): the key layout of partition p, the hash that
 picks it, the partition history key and its raise script, the scripts on partition keys,
-against a real redis-server."""
+and every command and reader over all partitions of a model (status and top, the
+sampler's gauges, dlq, limit, acl users, score), against a real redis-server and real
+workers."""
 
 from __future__ import annotations
 
+import itertools
+import json
+import re
 import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
-from conftest import WorkerFactory
+from click.testing import CliRunner
+from conftest import WorkerFactory, settings_free_env
+from redbatch.cli import main
+from redbatch.cli.acl_rules import user_url
+from redbatch.cli.fleet import _top_frames
+from redbatch.cli.local_stack import stop_worker
+from redbatch.cli.redis_server import RedisServer
 from redbatch.common import protocol as p
-from redbatch.common.protocol import JobEnvelope, Keys, Lane
+from redbatch.common.protocol import DeadLetters, ErrorCode, JobEnvelope, Keys, Lane, ResultEnvelope
+from redbatch.gpu_worker.metrics import Health, WorkerMetrics
+from redbatch.gpu_worker.sampler import Sampler
 from redbatch.producer import core
+from redbatch.producer.bulk import BulkScorer, ScoreSettings
 from redbatch.producer.client import Client, QueueFull
 from redbatch.producer.core import _admit
+from redbatch.producer.inputs import Item
+from redbatch.producer.output import OutputWriter
+from spawned_workers import spawned_workers
 
 
 def test_partition_zero_is_todays_layout_and_others_carry_their_number() -> None:
@@ -31,6 +49,11 @@ def test_partition_zero_is_todays_layout_and_others_carry_their_number() -> None
     assert k3.reply("c") == "redbatch:{m#3}:reply:c"
     assert k3.partitions() == k.partitions() == "redbatch:{m}:partitions"
     assert p.parse_job_stream("redbatch", k3.stream(Lane.BULK)) == ("m", Lane.BULK)
+    assert k.parts(3) == [k, k.part(1), k.part(2)]
+    # A reply list's NAME, whatever its partition: where a job's list is, in its own.
+    assert k.reply_name(k3.reply("c")) == k.reply_name(k.reply("c")) == "c"
+    assert k.reply_name(Keys("mm").reply("c")) is None
+    assert k.reply_name(k3.result("c")) is None
     with pytest.raises(ValueError):
         Keys("m#3")  # no model name holds the separator
     with pytest.raises(ValueError):
@@ -185,18 +208,6 @@ def raise_while_submitting(url: str, r: redis.Redis, start: Callable[[], object]
         assert all(r.xlen(Keys(MODEL, partition=q).stream(lane)) == 0 for lane in Lane)
 
 
-def test_score_refuses_a_partitioned_model_in_one_line(redis_url: str, r: redis.Redis,
-                                                       tmp_path: Path) -> None:
-    """Bulk scoring is not partition-aware yet: it says so instead of scoring wrongly."""
-    _set_partitions(r, 2)
-    (tmp_path / "in.json").write_text("[0, 0, 0, 0]")
-    out = subprocess.run([*CLI, "score", str(tmp_path / "in.json"), "--model", MODEL, "-o",
-                          str(tmp_path / "out.jsonl"), "--redis", redis_url],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "several partitions" in out.stderr, out
-    assert "Traceback" not in out.stderr
-
-
 def test_a_queue_bound_is_set_in_every_partition_and_holds_in_each(
         redis_url: str, r: redis.Redis) -> None:
     """``set_queue_limit`` writes every partition's limits hash; the admission script
@@ -235,3 +246,301 @@ def test_a_client_with_only_an_id_finds_its_job_after_p_rose(
         result = other.result(rid, timeout_s=30)
         assert result.ok and result.request_id == rid
         assert other.status(rid).state is p.JobState.DONE
+
+
+# ------------------------------------------------------------- every command, every partition
+
+
+def cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """A command as an operator runs it, in its own process."""
+    return subprocess.run([*CLI, *args, "--redis", url], capture_output=True, text=True,
+                          timeout=120, env=settings_free_env())
+
+
+def _ids_in(partition: int, count: int, n: int, prefix: str = "id") -> list[str]:
+    """``n`` request ids (``prefix-N``) that fall in ``partition`` of ``count``."""
+    found = (f"{prefix}-{i}" for i in itertools.count())
+    return list(itertools.islice((rid for rid in found
+                                  if p.partition_of(rid, count) == partition), n))
+
+
+def _until(predicate: Callable[[], Any], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.05)
+
+
+def test_status_top_and_the_sampler_sum_every_partition(
+        redis_url: str, r: redis.Redis, start_worker: WorkerFactory) -> None:
+    """Answers in every partition's recent list, a dead letter in partitions 1 and 2 (junk
+    entries a real worker read), then with the worker gone a bulk backlog of 2, 3 and 4
+    jobs in partitions 0-2, two of partition 2's held by a consumer that left: `status
+    --json`, its table, a frame of `top` and the worker's sampler count every partition."""
+    _set_partitions(r, 3)
+    worker = start_worker(model=MODEL)
+    with Client(redis_url, model=MODEL) as client:
+        answered = [rid for q in range(3) for rid in _ids_in(q, 3, 10, "done")]
+        client.submit_jobs([client.job(FOUR, request_id=rid) for rid in answered])
+        assert all(res.ok for res in client.results(answered, timeout_s=60))
+    for q in (1, 2):
+        r.xadd(Keys(MODEL, partition=q).stream(Lane.INTERACTIVE), {"junk": b"x"})
+    _until(lambda: all(r.xlen(Keys(MODEL, partition=q).dlq()) for q in (1, 2)), 30,
+           "dead letters")
+    assert stop_worker(worker) == 0
+    with Client(redis_url, model=MODEL) as client:
+        client.submit_jobs([client.job(FOUR, lane=Lane.BULK, request_id=rid)
+                            for q in range(3) for rid in _ids_in(q, 3, 2 + q, "queued")])
+    held = r.xreadgroup(p.GROUP, "gone", {Keys(MODEL, partition=2).stream(Lane.BULK): ">"},
+                        count=2)
+    assert len(held[0][1]) == 2
+
+    out = cli(redis_url, "status", "--json")
+    assert out.returncode == 0, out.stderr
+    (model,) = json.loads(out.stdout)["models"]
+    assert (model["model"], model["partitions"], model["dead_letters"]) == (MODEL, 3, 2)
+    interactive, bulk = model["lanes"]
+    assert (bulk["length"], bulk["pending"], bulk["lag"]) == (9, 2, 7), bulk
+    per = model["by_partition"]
+    assert [x["partition"] for x in per] == [0, 1, 2]
+    assert [x["dead_letters"] for x in per] == [0, 1, 1]
+    assert [(x["lanes"][1]["length"], x["lanes"][1]["pending"]) for x in per] == \
+        [(2, 0), (3, 0), (4, 2)]
+    assert all(x["lanes"][0]["results"] >= 10 for x in per), per
+    assert interactive["results"] == sum(x["lanes"][0]["results"] for x in per)
+    assert interactive["p50_ms"] is not None
+
+    table = cli(redis_url, "status")
+    assert table.returncode == 0, table.stderr
+    row = next(line for line in table.stdout.splitlines() if line.startswith(MODEL))
+    # LENGTH PENDING LAG DLQ WORKERS LAST_BEAT PARTS
+    assert row.split()[:9] == [MODEL, "interactive", "0", "0", "0", "2", "0", "-", "3"], row
+    frame = _top_frames(r, p.DEFAULT_PREFIX, ())()
+    assert row in frame.splitlines(), frame
+
+    metrics = WorkerMetrics(MODEL, 8)
+    Sampler(redis.Redis.from_url(redis_url), Keys(MODEL), metrics, Health(), "cpu").sample()
+
+    def gauge(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"model": MODEL, **labels})
+
+    assert [gauge(f"redbatch_stream_{x}", lane="bulk") for x in ("length", "pending", "lag")] \
+        == [9, 2, 7]
+    assert gauge("redbatch_stream_length", lane="interactive") == 0
+    assert gauge("redbatch_dead_letters") == 2
+
+
+def _dead_letter(r: redis.Redis, keys: Keys, rid: str, reply_to: str | None = None) -> None:
+    """What a worker leaves of a job it dead-lettered in the partition of ``keys``: the
+    letter (source: the bulk lane) and the job's ``dead_lettered`` result."""
+    job = JobEnvelope(rid, MODEL, FOUR, lane=Lane.BULK, reply_to=reply_to)
+    pipe = r.pipeline(transaction=False)
+    DeadLetters(keys).add(pipe, p.dead_letter(job.encode(), keys.stream(Lane.BULK), b"1-1",
+                                              ErrorCode.DEAD_LETTERED, "test", 4))
+    pipe.set(keys.result(rid), ResultEnvelope.error(rid, ErrorCode.DEAD_LETTERED, "test")
+             .encode(), px=120_000)
+    pipe.execute()
+
+
+def _moving(n: int) -> tuple[list[str], list[str]]:
+    """Ids in partitions 0 and 1 of 2 that stay there under 3, and ids of each that move."""
+    ids = [f"dl-{i}" for i in range(1000)]
+    stay = [next(i for i in ids if p.partition_of(i, 2) == p.partition_of(i, 3) == q)
+            for q in range(2)]
+    move = [next(i for i in ids if p.partition_of(i, 2) == q != p.partition_of(i, 3))
+            for q in range(2)]
+    return stay, move
+
+
+def test_dlq_lists_replays_and_purges_every_partition(
+        redis_url: str, r: redis.Redis, start_worker: WorkerFactory) -> None:
+    """Letters in both partitions of 2, then P raised to 3: `dlq list` shows them all with
+    their partitions, oldest first; `purge --partition` deletes one; `retry --all` holds to
+    a bound, then puts each job in its id's partition under 3 (a job that moved names its
+    reply list there), where a real worker answers it."""
+    model = Keys(MODEL)
+    _set_partitions(r, 2)
+    stay, move = _moving(2)
+    letters = [*stay, *move]
+    for rid in letters:
+        old = model.of(rid, 2)
+        _dead_letter(r, old, rid, old.reply("waiter") if rid == move[0] else None)
+    DeadLetters(model.part(1)).add(r, {"source": model.part(1).stream(Lane.BULK),
+                                        "reason": "bad_request_id: test"})
+    assert cli(redis_url, "partitions", "--model", MODEL, "--set", "3").returncode == 0
+
+    listed = cli(redis_url, "dlq", "list", "--model", MODEL)
+    assert listed.returncode == 0, listed.stderr
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert sorted((row["request_id"], row["partition"]) for row in rows) == \
+        sorted([*((rid, p.partition_of(rid, 2)) for rid in letters), ("", 1)])
+    order = [tuple(map(int, row["dlq_id"].split("-"))) for row in rows]
+    assert order == sorted(order), "oldest first, across partitions"
+    wrong = cli(redis_url, "dlq", "list", "--model", MODEL, "--partition", "3")
+    assert wrong.returncode != 0 and "no partition 3" in wrong.stderr, wrong
+    assert "Traceback" not in wrong.stderr
+    junk = next(row["dlq_id"] for row in rows if not row["request_id"])
+    purged = cli(redis_url, "dlq", "purge", junk, "--partition", "1", "--model", MODEL)
+    assert "deleted 1" in purged.stdout, purged
+
+    r.hset(model.of(letters[0], 3).limits(), "bulk", 0)  # a replay respects the bound
+    refused = cli(redis_url, "dlq", "retry", "--all", "--model", MODEL)
+    assert refused.returncode == 1 and "at its bound of 0" in refused.stderr, refused
+    assert "requeued 0" in refused.stdout
+    r.hdel(model.of(letters[0], 3).limits(), "bulk")
+    start_worker(model=MODEL)
+    out = cli(redis_url, "dlq", "retry", "--all", "--model", MODEL)
+    assert out.returncode == 0 and "requeued 4" in out.stdout, out
+    assert not any(r.xlen(model.part(q).dlq()) for q in range(3))
+    with Client(redis_url, model=MODEL) as client:
+        assert all(res.ok for res in client.results(letters, timeout_s=60))
+    for rid in letters:
+        assert r.exists(model.of(rid, 3).result(rid)), rid
+    for rid in move:
+        assert not r.exists(model.of(rid, 2).result(rid)), "the old answer went"
+    assert r.lrange(model.of(move[0], 3).reply("waiter"), 0, -1) == [move[0].encode()]
+
+
+def test_limit_shows_every_partition_and_a_raise_copies_the_bound(
+        redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`redbatch limit` with P = 3 sets the bound in every partition and shows the jobs
+    summed and each partition's; the client's room counts every partition; raising P gives
+    the new partition the bound (no worker: admitted jobs stay queued)."""
+    monkeypatch.setattr(core, "PARTITIONS_REFRESH_S", 0.0)
+
+    def limit(*args: str) -> dict[str, dict[str, Any]]:
+        result = CliRunner().invoke(main, ["limit", "--model", MODEL, "--redis", redis_url,
+                                           *args])
+        assert result.exit_code == 0, result.output
+        return {rec["lane"]: rec for rec in map(json.loads, result.output.splitlines())}
+
+    _set_partitions(r, 3)
+    shown = limit("--lane", "bulk", "--max-jobs", "2")["bulk"]
+    assert shown["partitions"] == 3 and shown["by_partition"] == [{"max_jobs": 2, "queued": 0}] * 3
+    with Client(redis_url, model=MODEL) as client:
+        client.submit_jobs([client.job(FOUR, lane=Lane.BULK, request_id=rid)
+                            for q in range(3) for rid in _ids_in(q, 3, 2)])
+        assert limit()["bulk"] == {"model": MODEL, "lane": "bulk", "max_jobs": 2, "queued": 6,
+                                   "partitions": 3, "by_partition": [{"max_jobs": 2,
+                                                                      "queued": 2}] * 3}
+        assert client.queue_state(Lane.BULK).room == 0
+        assert cli(redis_url, "partitions", "--model", MODEL, "--set", "4").returncode == 0
+        assert r.hget(Keys(MODEL, partition=3).limits(), "bulk") == b"2"
+        assert client.queue_state(Lane.BULK).room == 2
+        assert limit()["bulk"]["by_partition"][3] == {"max_jobs": 2, "queued": 0}
+        cleared = limit("--lane", "bulk", "--clear")["bulk"]
+        assert cleared["max_jobs"] is None and client.queue_state(Lane.BULK).room is None
+        assert [x["max_jobs"] for x in cleared["by_partition"]] == [None] * 4
+
+
+def _manifest(folder: Path, n: int) -> Path:
+    """A .txt manifest of ``n`` files holding null_tensor's input."""
+    folder.mkdir()
+    for i in range(n):
+        (folder / f"in-{i}.bin").write_bytes(FOUR)
+    manifest = folder / "inputs.txt"
+    manifest.write_text("".join(f"in-{i}.bin\n" for i in range(n)))
+    return manifest
+
+
+def _left_in_redis(r: redis.Redis) -> list[bytes]:
+    """Per-job keys a finished run should have deleted: results, done and reply lists, owners."""
+    return [k for k in r.scan_iter(count=1000) if re.search(rb":(result|done|reply|owner):", k)]
+
+
+ADMIN = "admin-pw-1"
+PASSWORDS = {"REDBATCH_ACL_PRODUCER_PASSWORD": "producer-pw-1",
+             "REDBATCH_ACL_WORKER_PASSWORD": "worker-pw-1"}
+
+
+@pytest.fixture
+def acl_server() -> Iterator[RedisServer]:
+    """A redis-server of the test's own whose default user is the admin, with the users of
+    `redbatch acl --apply --model null_tensor` on it."""
+    with RedisServer(password=ADMIN) as server:
+        made = subprocess.run([*CLI, "acl", "--apply", "--model", MODEL, "--redis", server.url],
+                              capture_output=True, text=True, timeout=60,
+                              env={**settings_free_env(), **PASSWORDS})
+        assert made.returncode == 0, made.stderr
+        yield server
+
+
+def test_acl_users_reach_every_partition_of_their_model_and_nothing_else(
+        acl_server: RedisServer, tmp_path: Path) -> None:
+    """With P = 3 a worker and a producer logged in as the users `acl` made serve, submit,
+    look up, bound-check and score in every partition, and Redis refuses none of it; a
+    partition of another model (one whose name starts with ours too) stays out of reach."""
+    admin = redis.Redis.from_url(acl_server.url)
+    admin.eval(p.RAISE_PARTITIONS_SCRIPT, 1, Keys(MODEL).partitions(), 3)
+    urls = {role: user_url(acl_server.url, f"redbatch-{role}",
+                           PASSWORDS[f"REDBATCH_ACL_{role.upper()}_PASSWORD"])
+            for role in ("producer", "worker")}
+    with spawned_workers(tmp_path) as start:
+        start(urls["worker"], model=MODEL, ready_url=acl_server.url)
+        with Client(urls["producer"], model=MODEL) as client:
+            rids = [rid for q in range(3) for rid in _ids_in(q, 3, 4)]
+            client.submit_jobs([client.job(FOUR, request_id=rid) for rid in rids])
+            assert all(res.ok for res in client.results(rids, timeout_s=60))
+            assert client.status(rids[-1]).state is p.JobState.DONE
+            assert client.queue_state(Lane.BULK).queued == 0
+        out = tmp_path / "out.jsonl"
+        scored = subprocess.run([*CLI, "score", str(_manifest(tmp_path / "in", 60)), "--model",
+                                 MODEL, "-o", str(out), "--redis", urls["producer"]],
+                                capture_output=True, text=True, timeout=120,
+                                env=settings_free_env())
+        assert scored.returncode == 0, scored.stderr[-3000:]
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        assert len(records) == 60 and all(rec["status"] == "ok" for rec in records)
+    refused = [e for e in admin.acl_log() if str(e.get("username")).startswith("redbatch-")]
+    assert refused == [], refused
+    producer, worker = (redis.Redis.from_url(urls[role]) for role in ("producer", "worker"))
+    for other in (Keys("null_tensor2", partition=1), Keys("other", partition=2),
+                  Keys("null_tensor2")):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            producer.xadd(other.stream(Lane.BULK), {"rid": "x"})
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            producer.get(other.result("x"))
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            worker.xadd(other.dlq(), {"rid": "x"})
+    with pytest.raises(redis.exceptions.NoPermissionError):  # a producer writes no result
+        producer.set(Keys(MODEL, partition=2).result("x"), b"forged")
+    producer.close()
+    worker.close()
+
+
+def test_score_spreads_a_run_over_the_partitions_and_follows_a_raise(
+        redis_url: str, r: redis.Redis, start_worker: WorkerFactory, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run of 300 jobs during which P rises from 2 to 4: each job goes to its id's
+    partition under the count its submit read, the run collects it from its reply list
+    there, every record is ok and nothing of the run stays in Redis."""
+    monkeypatch.setattr(core, "PARTITIONS_REFRESH_S", 0.2)
+    _set_partitions(r, 2)
+    start_worker("--max-batch-size", "8", model=MODEL)
+    payload = tmp_path / "four.bin"
+    payload.write_bytes(FOUR)
+
+    def items() -> Iterator[Item]:
+        for i in range(300):
+            if i == 100:
+                _set_partitions(r, 4)
+                time.sleep(0.3)  # past the client's trust in the count it read
+            yield Item(f"item-{i}", str(payload))
+
+    out = tmp_path / "out.jsonl"
+    writer = OutputWriter(str(out), "jsonl", append=False)
+    with Client(redis_url, model=MODEL) as client:
+        scorer = BulkScorer(client, writer, ScoreSettings(window=32, timeout_s=60))
+        try:
+            assert scorer.run(items())
+        finally:
+            writer.close()
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(rec["id"] for rec in records) == sorted(f"item-{i}" for i in range(300))
+    assert all(rec["status"] == "ok" for rec in records), records[:3]
+    read = [int(r.xinfo_groups(Keys(MODEL, partition=q).stream(Lane.BULK))[0]["entries-read"])
+            for q in range(4)]
+    assert all(read) and sum(read) == 300, read
+    assert _left_in_redis(r) == []
+    assert not any(r.xlen(Keys(MODEL, partition=q).stream(lane)) for q in range(4)
+                   for lane in Lane)

@@ -32,6 +32,7 @@ from redbatch.common.protocol.dead_letters import (
     DeadLetters,
     dead_letter,
     own_fields,
+    select_in,
 )
 from redbatch.common.protocol.envelopes import (
     MAX_ARRAY_LEN,
@@ -111,6 +112,7 @@ from redbatch.common.protocol.partitions import (
     RAISE_PARTITIONS_SCRIPT,
     candidate_partitions,
     parse_partition_history,
+    read_partitions,
 )
 from redbatch.common.protocol.request_keys import AnswerKeys, OwnerKeys, ReplyList
 
@@ -189,6 +191,7 @@ __all__ = [
     "job_stream_pattern",
     "new_request_id",
     "own_fields",
+    "select_in",
     "owner_ttl_ms",
     "packb",
     "parse_job_stream",
@@ -199,6 +202,7 @@ __all__ = [
     "RAISE_PARTITIONS_SCRIPT",
     "candidate_partitions",
     "parse_partition_history",
+    "read_partitions",
     "parse_queue_bound",
     "unpackb",
     "valid_request_id",

@@ -6,6 +6,9 @@ the status readers count them. As with rq's registries, :class:`DeadLetters` is 
 of the stream: the only code that writes it, and the one place that spells its commands
 (the MAXLEN trim) and its record's fields. Each verb queues its commands on the pipeline the
 caller gives (or runs them at once on a client), so the callers' transactions stay theirs.
+Each partition of a model has its own stream (PROTOCOL.md "Partitions"): :func:`select_in`
+reads several in one pipeline, and a letter replayed into another partition takes its job
+re-pointed there (:meth:`DeadLetterEntry.job_in`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
-from redbatch.common.protocol.errors import ErrorCode
+from redbatch.common.protocol.envelopes import packb, unpackb
+from redbatch.common.protocol.errors import ErrorCode, ProtocolError
 from redbatch.common.protocol.keys import (
     DLQ_AT_MS,
     DLQ_DELIVERIES,
@@ -71,6 +75,21 @@ class DeadLetterEntry:
     def job(self) -> bytes:
         """The job envelope, byte for byte (b"" when the entry had none)."""
         return self._field(FIELD_JOB) or b""
+
+    def job_in(self, keys: Keys) -> bytes:
+        """The job envelope to queue in the partition of ``keys``: byte for byte, but for a
+        ``reply_to`` naming a reply list of another partition of the model, which becomes
+        the same list of this one (a worker answers a job naming a list of another
+        partition ``bad_envelope``). An envelope that does not decode is kept as it is."""
+        try:
+            body = unpackb(self.job, len(self.job))
+        except ProtocolError:
+            return self.job
+        reply_to = body.get("reply_to") if isinstance(body, dict) else None
+        name = keys.reply_name(reply_to) if isinstance(reply_to, str) else None
+        if name is None or reply_to == keys.reply(name):
+            return self.job
+        return packb({**body, "reply_to": keys.reply(name)})
 
     @property
     def source(self) -> str:
@@ -140,14 +159,47 @@ class DeadLetters:
         """Queue XADD of the letter's request id and job to its source stream (the reply is
         the new entry's id), then XDEL of the letter. Its source must be a job stream of
         this model; its result and owner are the caller's (``OwnerKeys.free``/``retake``)."""
-        pipe.xadd(letter.source, {FIELD_REQUEST_ID: letter.request_id, FIELD_JOB: letter.job})
-        pipe.xdel(self.key, letter.dlq_id)
+        self.readd(pipe, letter, letter.source, letter.job)
+        self.remove(pipe, [letter.dlq_id])
+
+    @staticmethod
+    def readd(pipe: redis.Redis, letter: DeadLetterEntry, stream: str, job: bytes) -> None:
+        """Queue XADD of the letter's request id and ``job`` (its own, or
+        :meth:`DeadLetterEntry.job_in` another partition) to the job stream ``stream``; the
+        reply is the new entry's id. The letter stays until :meth:`remove`."""
+        pipe.xadd(stream, {FIELD_REQUEST_ID: letter.request_id, FIELD_JOB: job})
+
+    def remove(self, pipe: redis.Redis, dlq_ids: Sequence[bytes]) -> None:
+        """Queue one XDEL of dead letters (none for no ids)."""
+        if dlq_ids:
+            pipe.xdel(self.key, *dlq_ids)
 
     def delete(self, r: redis.Redis, dlq_ids: Sequence[bytes]) -> int:
         """Delete dead letters (XDEL); returns how many there were. No ids, no call."""
         return int(r.xdel(self.key, *dlq_ids)) if dlq_ids else 0
 
     def _xrange(self, r: redis.Redis, **kw: Any) -> list[DeadLetterEntry]:
-        # redis-py types replies loosely; a client without decode_responses returns bytes.
-        raw = cast(list[_Entry], r.xrange(self.key, **kw) or [])
-        return [DeadLetterEntry(dlq_id, fields) for dlq_id, fields in raw]
+        return _entries(r.xrange(self.key, **kw))
+
+
+def select_in(r: redis.Redis, streams: Sequence[DeadLetters], dlq_ids: Sequence[str],
+              count: int | None = None) -> list[list[DeadLetterEntry]]:
+    """The dead letters of several streams (a model's partitions), per stream, in one
+    pipelined round trip (on a cluster redis-py sends each XRANGE to its stream's master):
+    those of ``dlq_ids`` the stream holds, in that order, or without ids its first
+    ``count`` (all for None), oldest first."""
+    pipe = r.pipeline(transaction=False)
+    for dead in streams:
+        if not dlq_ids:
+            pipe.xrange(dead.key, count=count)
+        for dlq_id in dlq_ids:
+            pipe.xrange(dead.key, min=dlq_id, max=dlq_id)
+    replies = iter(pipe.execute())
+    calls = max(1, len(dlq_ids))
+    return [[found for _ in range(calls) for found in _entries(next(replies))]
+            for _ in streams]
+
+
+def _entries(raw: Any) -> list[DeadLetterEntry]:
+    # redis-py types replies loosely; a client without decode_responses returns bytes.
+    return [DeadLetterEntry(dlq_id, fields) for dlq_id, fields in cast(list[_Entry], raw or [])]

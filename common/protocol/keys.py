@@ -126,6 +126,10 @@ class Keys:
         """The keys of the partition ``request_id`` goes to among ``partitions``."""
         return self.part(partition_of(request_id, partitions))
 
+    def parts(self, count: int) -> list[Keys]:
+        """The keys of partitions 0 to ``count - 1`` of the model, partition p at index p."""
+        return [self.part(p) for p in range(count)]
+
     def partitions(self) -> str:
         """List (model-wide, partition 0's slot) of the model's partition history: the
         counts P it had, ascending, in decimal; the last is P now."""
@@ -160,6 +164,14 @@ class Keys:
         """True for a key :meth:`reply` can produce; workers write no other list a job names."""
         prefix = f"{self._base}:reply:"
         return key.startswith(prefix) and bool(_NAME_RE.fullmatch(key[len(prefix):]))
+
+    def reply_name(self, key: str) -> str | None:
+        """The NAME of ``key`` when it is a reply list of this model in any partition (as
+        :meth:`reply` makes them), else None: a job's reply list lives in the job's own
+        partition, so a list of another partition is the same NAME there."""
+        m = re.fullmatch(rf"{re.escape(self.prefix)}:\{{{re.escape(self.model)}"
+                         rf"(?:{PARTITION_SEP}[1-9][0-9]*)?\}}:reply:(.+)", key)
+        return m.group(1) if m and _NAME_RE.fullmatch(m.group(1)) else None
 
     def owner(self, request_id: str) -> str:
         """String key naming the stream entry id of the job that owns ``request_id``, for

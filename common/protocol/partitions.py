@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from redbatch.common.protocol.keys import MAX_PARTITIONS, partition_of
+import redis
+from redbatch.common.protocol.keys import MAX_PARTITIONS, Keys, partition_of
 
 RAISE_PARTITIONS_SCRIPT = f"""\
 -- redbatch raise-partitions script, protocol 1 (revision 1)
@@ -41,6 +42,11 @@ def parse_partition_history(raw: Sequence[bytes | str] | None) -> tuple[int, ...
             or list(counts) != sorted(set(counts)):
         return (1,)
     return counts
+
+
+def read_partitions(r: redis.Redis, keys: Keys) -> tuple[int, ...]:
+    """The model's partition history, read now (one LRANGE); the last is its count."""
+    return parse_partition_history(r.lrange(keys.partitions(), 0, -1))
 
 
 def candidate_partitions(request_id: str, history: tuple[int, ...]) -> list[int]:

@@ -130,6 +130,10 @@ class AnswerKeys:
         in one MGET. Raises Redis errors as they come."""
         return cast(list[bytes | None], r.mget([self.keys.result(rid) for rid in request_ids]))
 
+    def queue_read(self, pipe: redis.Redis, request_ids: Sequence[str]) -> None:
+        """Queue the MGET of :meth:`read` on a pipeline (its reply: the same list)."""
+        pipe.mget([self.keys.result(rid) for rid in request_ids])
+
 
 class ReplyList:
     """A client's reply list (``Keys.reply``): workers push the request id of each answered
@@ -153,6 +157,17 @@ class ReplyList:
         list is empty; [] when none came. Raises Redis errors as they come: a BLMPOP whose
         reply was lost has still taken its ids."""
         got = r.blmpop(wait_s, 1, self.key, direction="LEFT", count=most)
+        if got is None:
+            return []
+        return [rid.decode() for rid in cast(list[Any], got)[1]]
+
+    @staticmethod
+    def pop_any(r: redis.Redis, lists: Sequence[ReplyList], wait_s: float,
+                most: int) -> list[str]:
+        """As :meth:`pop`, from the first of ``lists`` that holds ids, in one BLMPOP of them
+        all (on a cluster, lists of one slot only)."""
+        got = r.blmpop(wait_s, len(lists), *(each.key for each in lists), direction="LEFT",
+                       count=most)
         if got is None:
             return []
         return [rid.decode() for rid in cast(list[Any], got)[1]]
