@@ -12,6 +12,7 @@ import pytest
 import redis
 import redis.cluster
 from cluster import LocalCluster, wait_replicated
+from redbatch.cli.local_stack import count_consumers
 from redbatch.common import protocol as p
 from redbatch.common.protocol import AnswerKeys, DeadLetters, JobEnvelope, Keys, Lane, ReplyList
 from redbatch.common.redis_io import connect, refresh_slots
@@ -73,6 +74,11 @@ def test_three_partitions_on_a_cluster_two_workers_answer_every_job(
     with spawned_workers(tmp_path) as start:
         for _ in range(2):
             start(cluster.url, "--max-inflight", "4", "--max-batch-size", "2", model=MODEL)
+        # The second start saw the first worker's consumer and did not wait: wait for both
+        # (a fast first worker could answer every job before the second reads at all).
+        deadline = time.monotonic() + 120
+        while count_consumers(rc, Keys(MODEL)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
         with Client(cluster.url, model=MODEL) as client:
             ids = [h.request_id for h in client.submit_many([FOUR] * 90, timeout_s=60)]
             results = client.results(ids, timeout_s=60)
