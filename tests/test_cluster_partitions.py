@@ -7,21 +7,23 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 import redis.cluster
-from cluster import LocalCluster
+from cluster import LocalCluster, wait_replicated
 from conftest import settings_free_env
 from redbatch.cli.acl_rules import user_url
+from redbatch.cli.local_stack import count_consumers
 from redbatch.common import protocol as p
 from redbatch.common.protocol import AnswerKeys, DeadLetters, JobEnvelope, Keys, Lane, ReplyList
-from redbatch.common.redis_io import connect
+from redbatch.common.redis_io import connect, refresh_slots
 from redbatch.gpu_worker.transaction import Commands
 from redbatch.producer import core
-from redbatch.producer.client import Client
+from redbatch.producer.client import Client, DuplicateRequestId, QueueFull
 from redbatch.producer.core import _admit
 from redis.crc import key_slot
 from spawned_workers import spawned_workers
@@ -86,6 +88,11 @@ def test_three_partitions_on_a_cluster_two_workers_answer_every_job(
     with spawned_workers(tmp_path) as start:
         for _ in range(2):
             start(cluster.url, "--max-inflight", "4", "--max-batch-size", "2", model=MODEL)
+        # The second start saw the first worker's consumer and did not wait: wait for both
+        # (a fast first worker could answer every job before the second reads at all).
+        deadline = time.monotonic() + 120
+        while count_consumers(rc, Keys(MODEL)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
         with Client(cluster.url, model=MODEL) as client:
             # start() returns once the group has a consumer, which the first worker's is:
             # both beat (a worker beats once its reader thread runs) before the jobs go.
@@ -165,3 +172,112 @@ def test_acl_users_score_status_and_dlq_over_partitions_on_three_masters(
     for node in cluster.nodes:
         log = redis.Redis.from_url(cluster.node_url(node)).acl_log()
         assert not [e for e in log if str(e.get("username")).startswith("redbatch-")], node.port
+
+
+def _master_calls(cluster: LocalCluster) -> dict[str, int]:
+    """Calls per command since the last CONFIG RESETSTAT, summed over the masters."""
+    calls: dict[str, int] = {}
+    for node in cluster.live():
+        r = redis.Redis(port=node.port)
+        if r.info("replication")["role"] == "master":
+            for name, stat in r.info("commandstats").items():
+                name = name.removeprefix("cmdstat_")
+                calls[name] = calls.get(name, 0) + stat["calls"]
+        r.close()
+    return calls
+
+
+def test_a_cluster_job_costs_what_it_costs_on_one_redis_in_groups_per_partition(
+        cluster: LocalCluster, rc: redis.Redis, tmp_path: Path) -> None:
+    """Six partitions over three masters; 600 jobs submitted in one call, queued before a
+    worker starts (so they move in groups, as under load), then awaited. Counted by Redis
+    itself (INFO commandstats, summed over the masters): one admission call per partition
+    for the whole submission, no key look-up round trips (COMMAND GETKEYS), and per job
+    its entry, its owner claim and its result, with the groups' share on top as on one
+    Redis (tests/test_redis_calls.py: four calls a job at most)."""
+    n_jobs, count = 600, 6
+    rc.eval(p.RAISE_PARTITIONS_SCRIPT, 1, Keys(MODEL).partitions(), count)
+    rc.script_load(p.ADMIT_SCRIPT)  # on every master: no NOSCRIPT retry in the count
+    with spawned_workers(tmp_path) as start, Client(cluster.url, model=MODEL) as client:
+        for node in cluster.live():
+            redis.Redis(port=node.port).config_resetstat()
+        ids = client.submit_many([FOUR] * n_jobs, timeout_s=120)
+        start(cluster.url, "--max-batch-size", "64", "--max-inflight", "256", model=MODEL)
+        results = client.results(ids, timeout_s=120)
+        calls = _master_calls(cluster)
+    assert all(res.ok for res in results) and len(results) == n_jobs
+    assert {p.partition_of(rid, count) for rid in ids} == set(range(count))
+    clock = sum(calls.get(name, 0) for name in (
+        "config|resetstat", "info", "hello", "client|setinfo", "cluster|slots", "command",
+        "zrange", "zadd", "zremrangebyscore", "xinfo|groups", "xinfo|consumers", "xlen",
+        "ping", "time", "xgroup|create", "xpending", "script|load", "lrange"))
+    # The worker's departed-consumer script (reclaim.py) runs on the clock too: every
+    # EVALSHA but the admission calls (each reads its lane's bound: one HGET a call).
+    clock += calls.get("evalsha", 0) - calls.get("hget", 0)
+    job_path = sum(calls.values()) - clock
+    print(f"\ncluster, P = {count}: {job_path / n_jobs:.2f} calls a job without the clock's, "
+          f"{sum(calls.values()) / n_jobs:.2f} in all: {calls}")
+    assert calls.get("command|getkeys", 0) == 0, calls  # keys found by the client itself
+    # One admission call per partition for the 600 jobs, all in one pipeline: each call
+    # reads its lane's bound once.
+    assert calls.get("hget", 0) == count, calls
+    assert calls.get("xadd", 0) == n_jobs, calls
+    assert calls.get("set", 0) <= 2 * n_jobs + 20, calls  # owner claims, results, fleet
+    # Reads, writes, announcements and pops: paid per group and partition, not per job
+    # (one of each a job would be nine a job; measured about 0.6 in all).
+    assert sum(calls.get(name, 0) for name in (
+        "xreadgroup", "multi", "exec", "xack", "xdel", "rpush", "pexpire", "blmpop",
+        "mget")) < n_jobs, calls
+    assert job_path <= 4 * n_jobs, calls
+
+
+def test_a_submission_loads_the_script_on_the_masters_that_lack_it_and_sends_those_again(
+        cluster: LocalCluster, rc: redis.Redis) -> None:
+    """One pipeline of admission calls over six partitions, the script known to one master
+    only: the masters without it answer NOSCRIPT (and ran nothing), the client loads it and
+    sends those calls again, and only those: every job queued once (a call sent twice
+    would have answered DUPLICATE_REQUEST_ID)."""
+    rc.eval(p.RAISE_PARTITIONS_SCRIPT, 1, Keys(MODEL).partitions(), 6)
+    rc.script_flush()
+    knows = cluster.master_of(Keys(MODEL).stream(Lane.INTERACTIVE))
+    redis.Redis(port=knows.port).script_load(p.ADMIT_SCRIPT)
+    with Client(cluster.url, model=MODEL) as client:
+        ids = [h.request_id for h in client.submit_many([FOUR] * 120, timeout_s=60)]
+    assert len(set(ids)) == 120
+    queued = [rc.xlen(Keys(MODEL, partition=q).stream(Lane.INTERACTIVE)) for q in range(6)]
+    assert sum(queued) == 120 and all(queued), queued
+
+
+def test_a_failover_of_one_partitions_master_loses_no_accepted_job(
+        cluster: LocalCluster, rc: redis.Redis, tmp_path: Path) -> None:
+    """Three partitions, one per master; the master of partition 1 SIGKILLed with jobs
+    queued and more arriving. The workers' reads (one pipeline over the three masters) and
+    writes, the client's submissions (one pipeline too) and its reply readers all ride
+    the failover: every job the client got an id for is answered ok, and the workers
+    never exit (as tests/test_cluster.py, where the model has one partition)."""
+    rc.eval(p.RAISE_PARTITIONS_SCRIPT, 1, Keys(MODEL).partitions(), 3)
+    victim = Keys(MODEL, partition=1)
+    with spawned_workers(tmp_path) as start:
+        workers = [start(cluster.url, "--reclaim-idle-ms", "2000", model=MODEL)
+                   for _ in range(2)]
+        with Client(cluster.url, model=MODEL) as client:
+            ids = [h.request_id for h in client.submit_many([FOUR] * 300, timeout_s=600)]
+            master = cluster.master_of(victim.stream(Lane.INTERACTIVE))
+            wait_replicated(master)
+            master.kill()
+            deadline = time.monotonic() + 60
+            while len(ids) < 600 and time.monotonic() < deadline:
+                try:  # refused or cut off during the failover: nothing queued, try again
+                    ids += [h.request_id for h in client.submit_many([FOUR] * 30,
+                                                                     timeout_s=600)]
+                except (redis.RedisError, ConnectionError, QueueFull, DuplicateRequestId):
+                    time.sleep(0.2)
+            assert len(ids) == 600, "the new master takes jobs within a minute"
+            results = client.results(ids, timeout_s=120)
+        assert [r.request_id for r in results] == ids
+        assert all(r.ok for r in results), [r for r in results if not r.ok][:3]
+        assert all(proc.poll() is None for proc, _ in workers), "workers never exit"
+    assert cluster.master_of(victim.stream(Lane.INTERACTIVE)) is not master
+    master.start()  # back as a replica of the new master, for any test after this one
+    cluster.wait_ok(60)
+    refresh_slots(rc)  # the fixture flushes the masters of today's map
