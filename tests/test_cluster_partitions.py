@@ -1,19 +1,17 @@
 """Partitions (PROTOCOL.md "Partitions") on a real Redis Cluster (3 masters, 3 replicas;
-tests/cluster.py): each partition's transactions stay in its own slot, and a client and
-two real workers serve a model of three partitions, spread over the masters."""
+tests/cluster.py, the session's one from conftest.py): each partition's transactions stay in
+its own slot, and a client and two real workers serve a model of three partitions, spread
+over the masters."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
-import redis.cluster
 from cluster import LocalCluster
 from redbatch.common import protocol as p
 from redbatch.common.protocol import AnswerKeys, DeadLetters, JobEnvelope, Keys, Lane, ReplyList
-from redbatch.common.redis_io import connect
 from redbatch.gpu_worker.transaction import Commands
 from redbatch.producer import core
 from redbatch.producer.client import Client
@@ -24,21 +22,6 @@ from test_partitions import raise_while_submitting
 
 MODEL = "null_tensor"
 FOUR = b"\0" * 16
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster() as c:
-        yield c
-
-
-@pytest.fixture
-def rc(cluster: LocalCluster) -> Iterator[redis.Redis]:
-    client = connect(cluster.url)
-    client.flushall(target_nodes=redis.cluster.RedisCluster.PRIMARIES)  # type: ignore[call-arg]
-    yield client
-    client.flushall(target_nodes=redis.cluster.RedisCluster.PRIMARIES)  # type: ignore[call-arg]
-    client.close()
 
 
 def test_each_partitions_transactions_stay_in_its_slot(rc: redis.Redis) -> None:
