@@ -57,6 +57,10 @@ def no_calibration_by_default(tmp_path_factory: pytest.TempPathFactory) -> Itera
 def redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
     url = request.config.getoption("--redis-url")
     if url:
+        if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":
+            # Each process would FLUSHALL the other's keys from under it.
+            pytest.fail("--redis-url serves one pytest process: run with -n 0",
+                        pytrace=False)
         yield url
         return
     try:
