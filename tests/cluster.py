@@ -3,6 +3,11 @@
 Each node is a :class:`RedisServer` (its own temporary directory, no persistence) started
 with ``--cluster-enabled yes``; ``redis-cli --cluster create`` joins them, and the cluster
 is ready once every node says ``cluster_state:ok`` and every master has its replica.
+
+The session shares one (conftest.py, ``cluster``), made whole again before each test that
+uses it (:meth:`LocalCluster.restore`). Replication is tuned for a quick start: no delay
+before a full sync, and a master pings its replicas every second (the default, 10 s, keeps
+a fresh replica's offset at 0, and so out of CLUSTER SLOTS, for up to 10 s).
 """
 
 from __future__ import annotations
@@ -75,7 +80,8 @@ class LocalCluster:
             taken.add(port)
             node = RedisServer(port=port, extra_args=[
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", str(self.node_timeout_ms)])
+                "--cluster-node-timeout", str(self.node_timeout_ms),
+                "--repl-diskless-sync-delay", "0", "--repl-ping-replica-period", "1"])
             self.nodes.append(node)
             node.start()
 
@@ -130,6 +136,14 @@ class LocalCluster:
         finally:
             r.close()
         raise RedisServerError(f"no master serves the slot of {key}")
+
+    def restore(self, timeout_s: float = 60.0) -> None:
+        """Every node a test killed started again (a master that failed over comes back as
+        a replica of its successor), then :meth:`wait_ok`: the cluster as a test expects it."""
+        for node in self.nodes:
+            if node.pid is None:
+                node.start()
+        self.wait_ok(timeout_s)
 
     def live(self) -> list[RedisServer]:
         return [n for n in self.nodes if n.pid is not None]

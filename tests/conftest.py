@@ -12,6 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 import redis
+import redis.cluster
+from cluster import LocalCluster
 from redbatch.cli.local_stack import (
     count_consumers,
     spawn_worker,
@@ -21,6 +23,7 @@ from redbatch.cli.local_stack import (
 from redbatch.cli.redis_server import RedisServer, RedisServerError, find_redis_server
 from redbatch.common.config import model_name_from_spec
 from redbatch.common.protocol import Keys
+from redbatch.common.redis_io import connect
 from redbatch.producer.client import Client
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
@@ -54,6 +57,10 @@ def no_calibration_by_default(tmp_path_factory: pytest.TempPathFactory) -> Itera
 def redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
     url = request.config.getoption("--redis-url")
     if url:
+        if os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":
+            # Each process would FLUSHALL the other's keys from under it.
+            pytest.fail("--redis-url serves one pytest process: run with -n 0",
+                        pytrace=False)
         yield url
         return
     try:
@@ -84,6 +91,32 @@ def client(redis_url: str, r: redis.Redis) -> Iterator[Client]:
     """A client of the test model on the session's Redis, flushed for this test (``r``)."""
     with Client(redis_url, model=TEST_MODEL) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def session_cluster() -> Iterator[LocalCluster]:
+    """One local Redis Cluster (tests/cluster.py) for every test of the session that uses
+    ``cluster``: started once, stopped at the end."""
+    with LocalCluster() as c:
+        yield c
+
+
+@pytest.fixture
+def cluster(session_cluster: LocalCluster) -> LocalCluster:
+    """The session's cluster, whole: a node an earlier test killed (a failover, the cluster
+    taken away) is started again and every node is ready, whatever that test left."""
+    session_cluster.restore()
+    return session_cluster
+
+
+@pytest.fixture
+def rc(cluster: LocalCluster) -> Iterator[redis.Redis]:
+    """A cluster client; every master flushed before and after the test."""
+    client = connect(cluster.url)
+    client.flushall(target_nodes=redis.cluster.RedisCluster.PRIMARIES)  # type: ignore[call-arg]
+    yield client
+    client.flushall(target_nodes=redis.cluster.RedisCluster.PRIMARIES)  # type: ignore[call-arg]
+    client.close()
 
 
 WorkerFactory = Callable[..., subprocess.Popen[bytes]]

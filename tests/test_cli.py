@@ -113,9 +113,12 @@ def test_submit_prints_one_json_line_per_file(redis_url: str, start_worker: Work
 
 def test_submit_without_redis_runs_a_private_stack_and_cleans_up(tmp_path: Path) -> None:
     before_shm = shm_entries()
-    before_tmp = set(Path("/tmp").glob("redbatch-redis-*"))
     mark = uuid.uuid4().hex
-    env = marked_env(mark)
+    # A temporary folder of the test's own (tempfile honours TMPDIR): the private server's
+    # directory must be gone from it, whatever other runs make in /tmp meanwhile.
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**marked_env(mark), "TMPDIR": str(tmp)}
     proc = subprocess.run([sys.executable, "-m", "redbatch.cli", "submit", "--wait",
                            str(SAMPLES)], env=env, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
@@ -135,7 +138,7 @@ def test_submit_without_redis_runs_a_private_stack_and_cleans_up(tmp_path: Path)
                 and re.search(rf":{port.group(1)}\b", " ".join(p.info["cmdline"] or []))], \
         "the private redis-server was stopped"
     assert shm_entries() <= before_shm
-    assert set(Path("/tmp").glob("redbatch-redis-*")) <= before_tmp, "temp dir removed"
+    assert not list(tmp.glob("redbatch-redis-*")), "temp dir removed"
 
 
 def test_worker_with_an_unknown_model_exits_with_a_message(redis_url: str) -> None:

@@ -1,6 +1,7 @@
-"""redbatch unchanged on a real Redis Cluster (3 masters, 3 replicas; tests/cluster.py):
-clients and two real workers on a ``redis+cluster://`` URL, ``status`` reading the fleet
-through every master, and every multi-key call of a model within one slot."""
+"""redbatch unchanged on a real Redis Cluster (3 masters, 3 replicas; tests/cluster.py, the
+session's one from conftest.py): clients and two real workers on a ``redis+cluster://`` URL,
+``status`` reading the fleet through every master, and every multi-key call of a model
+within one slot."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,22 +40,6 @@ COFFEE_LABELS = {"espresso", "cup", "coffee mug"}
 PHOTOS = {name: (SAMPLES / name).read_bytes() for name in ("cat.jpg", "coffee.jpg")}
 EXPECTED = {"cat.jpg": CAT_LABELS, "coffee.jpg": COFFEE_LABELS}
 CLI = [sys.executable, "-m", "redbatch.cli"]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster() as c:
-        yield c
-
-
-@pytest.fixture
-def rc(cluster: LocalCluster) -> Iterator[redis.Redis]:
-    """A cluster client; every master flushed before and after the test."""
-    client = connect(cluster.url)
-    client.flushall(target_nodes=redis.cluster.RedisCluster.PRIMARIES)  # type: ignore[call-arg]
-    yield client
-    client.flushall(target_nodes=redis.cluster.RedisCluster.PRIMARIES)  # type: ignore[call-arg]
-    client.close()
 
 
 def cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -278,5 +262,4 @@ def test_a_failover_under_load_loses_no_accepted_job(
         assert all(r.ok for r in results), [r for r in results if not r.ok][:3]
         assert all(proc.poll() is None for proc, _ in workers), "workers never exit"
     assert cluster.master_of(keys.dlq()) is not master and rc.xlen(keys.dlq()) == 0
-    master.start()  # back as a replica of the new master, for any test after this one
-    cluster.wait_ok(60)
+    # The ``cluster`` fixture starts it again, as a replica, before the next cluster test.

@@ -1,14 +1,14 @@
 """Partitions (PROTOCOL.md "Partitions") on a real Redis Cluster (3 masters, 3 replicas;
-tests/cluster.py): each partition's transactions stay in its own slot, a client and
-two real workers serve a model of three partitions, spread over the masters, and the
-commands over every partition (acl users, score, status, dlq) work across slots."""
+tests/cluster.py, the session's one from conftest.py): each partition's transactions stay
+in its own slot, a client and two real workers serve a model of three partitions, spread
+over the masters, and the commands over every partition (acl users, score, status, dlq)
+work across slots."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,7 @@ from redbatch.cli.acl_rules import user_url
 from redbatch.cli.local_stack import count_consumers
 from redbatch.common import protocol as p
 from redbatch.common.protocol import AnswerKeys, DeadLetters, JobEnvelope, Keys, Lane, ReplyList
-from redbatch.common.redis_io import connect, refresh_slots
+from redbatch.common.redis_io import refresh_slots
 from redbatch.gpu_worker.transaction import Commands
 from redbatch.producer import core
 from redbatch.producer.client import Client, DuplicateRequestId, QueueFull
@@ -40,21 +40,6 @@ from test_partitions import (
 
 MODEL = "null_tensor"
 FOUR = b"\0" * 16
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster() as c:
-        yield c
-
-
-@pytest.fixture
-def rc(cluster: LocalCluster) -> Iterator[redis.Redis]:
-    client = connect(cluster.url)
-    client.flushall(target_nodes=redis.cluster.RedisCluster.PRIMARIES)  # type: ignore[call-arg]
-    yield client
-    client.flushall(target_nodes=redis.cluster.RedisCluster.PRIMARIES)  # type: ignore[call-arg]
-    client.close()
 
 
 def test_each_partitions_transactions_stay_in_its_slot(rc: redis.Redis) -> None:

@@ -173,9 +173,23 @@ def test_raising_partitions_while_jobs_queue_and_come_loses_nothing(
         "--max-inflight", "8", "--max-batch-size", "4", model=MODEL))
 
 
+def _consumers(r: redis.Redis, stream: str) -> int:
+    try:
+        return len(r.xinfo_consumers(stream, p.GROUP))
+    except redis.ResponseError:  # no stream or no group yet
+        return 0
+
+
+def _workers_read_every_partition(r: redis.Redis, count: int, workers: int) -> bool:
+    return all(_consumers(r, Keys(MODEL, partition=q).stream(lane)) >= workers
+               for q in range(count) for lane in Lane)
+
+
 def raise_while_submitting(url: str, r: redis.Redis, start: Callable[[], object]) -> None:
-    """Queue jobs under P = 2, start two workers (``start``, twice), submit for 8 s and
-    raise P to 6 with the CLI 1.5 s in; then check every id answered once, where it went."""
+    """Queue jobs under P = 2, start two workers (``start``, twice), submit 10 jobs at a time
+    and raise P to 6 with the CLI 1.5 s in; go on submitting until both workers read all six
+    partitions (they look every 5 s), and for 50 jobs more, then check every id answered
+    once, where it went."""
     _set_partitions(r, 2)
     ids: list[str] = []
     with Client(url, model=MODEL) as client:
@@ -184,8 +198,9 @@ def raise_while_submitting(url: str, r: redis.Redis, start: Callable[[], object]
         for _ in range(2):
             start()
         started = time.monotonic()
-        raised = False
-        while time.monotonic() - started < 8:
+        raised, after_join = False, -1
+        while after_join < 50 or len(ids) <= 300:
+            assert time.monotonic() - started < 60, "the workers read the new partitions"
             ids += [h.request_id for h in client.submit_jobs([client.job(FOUR)
                                                               for _ in range(10)])]
             if not raised and time.monotonic() - started > 1.5:
@@ -193,6 +208,10 @@ def raise_while_submitting(url: str, r: redis.Redis, start: Callable[[], object]
                                       "--redis", url], capture_output=True, text=True)
                 assert out.returncode == 0 and '"history": [1, 2, 6]' in out.stdout, out
                 raised = True
+            if after_join >= 0:
+                after_join += 10
+            elif raised and _workers_read_every_partition(r, 6, 2):
+                after_join = 0
             time.sleep(0.05)
     history = (1, 2, 6)
     assert len(set(ids)) == len(ids) > 300

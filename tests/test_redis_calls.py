@@ -29,6 +29,11 @@ N_JOBS = 1000
 #: Batches as a GPU runs them (a calibrated profile picks 64 or more there); the default,
 #: 8, suits this CPU's real models.
 GPU_LIKE = ("--max-batch-size", "64", "--max-inflight", "256")
+#: A per-request waiter's block, s (PROTOCOL.md: a few seconds at a time; any count will
+#: do). Long enough that no slice ends empty while the worker starts and serves the 1000
+#: jobs on a loaded machine: an empty slice costs a pop and a GET that the clock made, not
+#: the job (with 5 s, two cores under load gave 2000 pops for 1000 jobs).
+SLICE_S = 30
 
 
 def _small_jpeg() -> bytes:
@@ -66,12 +71,6 @@ CLOCK = ("zrange", "zadd", "zremrangebyscore", "xinfo|groups", "xinfo|consumers"
          "ping", "time", "xgroup|create", "xpending", "script|load")
 
 
-#: How long one blocking wait of the per-request tests lasts, s: past the worker's start
-#: (the waiters start first), however busy the machine, so that each job is popped by the
-#: first wait of its waiter (with 5 s, a start slowed by load cost every job a second wait).
-WAIT_SLICE_S = 20
-
-
 def _job_path(calls: dict[str, int]) -> int:
     """The calls the jobs made: the total without the clock's."""
     return _total(calls) - sum(calls.get(name, 0) for name in CLOCK)
@@ -93,7 +92,7 @@ def _per_request(redis_url: str, r: redis.Redis, start_worker: WorkerFactory,
     # A socket timeout well past the waits' slices: a slice that ends empty comes back as
     # None, instead of racing the socket.
     pool = redis.ConnectionPool.from_url(redis_url, max_connections=N_JOBS + 10,
-                                         socket_timeout=WAIT_SLICE_S + 15)
+                                         socket_timeout=2 * SLICE_S)
     waiter = redis.Redis(connection_pool=pool)
     got: dict[str, object] = {}
     threads = [threading.Thread(target=lambda rid=rid: got.update({rid: wait_one(waiter, rid)}))
@@ -141,7 +140,7 @@ def test_the_per_request_path_costs_a_token_and_one_wait_per_job_on_top(
     keys = Keys(NULL)
 
     def wait(waiter: redis.Redis, rid: str) -> object:
-        while (popped := waiter.blpop([keys.done(rid)], timeout=WAIT_SLICE_S)) is None:
+        while (popped := waiter.blpop([keys.done(rid)], timeout=SLICE_S)) is None:
             if (data := waiter.get(keys.result(rid))) is not None:
                 return data
         return popped[1]
@@ -173,7 +172,7 @@ def test_the_done_only_per_request_path_costs_at_most_six_calls_per_job(
 
     def wait(waiter: redis.Redis, rid: str) -> object:
         done = keys.done(rid)
-        while (first := waiter.blmove(done, done, WAIT_SLICE_S, "LEFT", "LEFT")) is None:
+        while (first := waiter.blmove(done, done, SLICE_S, "LEFT", "LEFT")) is None:
             pass
         return first
 
