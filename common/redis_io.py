@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 import redis.asyncio.cluster as aiocluster
 import redis.cluster
 from redbatch.common.config import RedisSettings, cluster_nodes, is_cluster_url
+from redis._parsers.commands import AsyncCommandsParser, CommandsParser
 from redis.connection import SSLConnection, parse_url
 
 StreamEntry = tuple[bytes, dict[bytes, bytes]]
@@ -92,6 +93,7 @@ def connect(url_or_settings: str | RedisSettings, *, blocking: bool = False) -> 
         except redis.exceptions.RedisClusterException as e:
             raise redis.ConnectionError(str(e)) from None
         _unreachable_as_connection_error(client.nodes_manager)
+        client.commands_parser.__class__ = _KeysParser
         return cast(redis.Redis, client)
     return redis.Redis.from_url(settings.url, **_options(settings, blocking))
 
@@ -106,6 +108,7 @@ def connect_async(url_or_settings: str | RedisSettings, *,
         aclient = aiocluster.RedisCluster(
             startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in nodes], **options)
         _unreachable_as_connection_error(aclient.nodes_manager)
+        aclient.commands_parser.__class__ = _AsyncKeysParser
         return cast(aioredis.Redis, aclient)
     return aioredis.Redis.from_url(settings.url, **_options(settings, blocking))
 
@@ -169,6 +172,45 @@ def _unreachable_as_connection_error(nodes_manager: Any) -> None:
         nodes_manager.__class__ = _AsyncNodesManager
     else:
         nodes_manager.__class__ = _NodesManager
+
+
+def movable_keys(args: tuple[Any, ...]) -> list[Any] | None:
+    """The keys of a command whose keys move (XREADGROUP, XREAD, BLMPOP, LMPOP), found in
+    its arguments; None for any other command. A cluster client asks a node for them
+    (``COMMAND GETKEYS``, one more round trip to one node) before every such command:
+    measured, two of every three commands a worker sent on a cluster (BENCHMARKS.md, the
+    scale curve)."""
+    name = str(args[0]).upper() if args else ""
+    if name in ("XREADGROUP", "XREAD"):  # past GROUP <group> <consumer>: a name is no word
+        for i in range(4 if name == "XREADGROUP" else 1, len(args)):
+            if isinstance(args[i], (str, bytes)) and args[i].upper() in ("STREAMS", b"STREAMS"):
+                rest = args[i + 1:]
+                return list(rest[:len(rest) // 2])
+        return None
+    first = {"BLMPOP": 2, "LMPOP": 1}.get(name)
+    if first is None or len(args) <= first:
+        return None
+    return list(args[first + 1:first + 1 + int(args[first])])
+
+
+class _KeysParser(CommandsParser):
+    """The cluster client's key finder, finding the keys of :func:`movable_keys`'s commands
+    without a round trip (redis-py's own sends ``COMMAND GETKEYS`` for each)."""
+
+    def get_keys(self, redis_conn: Any, *args: Any) -> Any:
+        keys = movable_keys(args)
+        return keys if keys is not None else super().get_keys(  # type: ignore[no-untyped-call]
+            redis_conn, *args)
+
+
+class _AsyncKeysParser(AsyncCommandsParser):
+    """:class:`_KeysParser` of the asyncio client."""
+
+    __slots__ = ()
+
+    async def get_keys(self, *args: Any) -> Any:
+        keys = movable_keys(args)
+        return keys if keys is not None else await super().get_keys(*args)
 
 
 def _cluster_options(settings: RedisSettings,
