@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
-from redbatch.common.redis_io import is_cluster, node_client, refresh_slots
+from redbatch.common.redis_io import node_client, refresh_slots
 from redbatch.producer.calls import Command, Outcome, Pause, Pipelined, Receive, Script, Step, Steps
+from redis.exceptions import NoScriptError
 
 T = TypeVar("T")
 
@@ -96,34 +98,35 @@ class BlockingRunner:
         if isinstance(step, Receive):
             assert isinstance(step.inbox, SyncInbox)
             return step.inbox.receive(step.due)
-        if isinstance(step, Pipelined) and _unpipelinable(self.redis, step):
-            return [self._alone(call, step.errors_as_replies) for call in step.calls]
         if isinstance(step, Pipelined):
-            pipe = self.redis.pipeline(transaction=False)
-            for call in step.calls:
-                self._send(call, pipe)
-            return pipe.execute(raise_on_error=not step.errors_as_replies)
+            replies = self._pipeline(step.calls)
+            if any(isinstance(r, NoScriptError) for r in replies):
+                _retried(step.calls, replies, self._load, self._pipeline)
+            return _raised(replies, step.errors_as_replies)
         if isinstance(step, Command) and step.due is not None:
             return self._call_by(step.due, *step.args)
-        return self._send(step, self.redis)
+        if isinstance(step, Script):
+            return self._script(step.text)(step.keys, step.args)
+        return self.redis.execute_command(*step.args)  # type: ignore[no-untyped-call]
 
-    def _alone(self, call: Command | Script, errors_as_replies: bool) -> Any:
-        """One call of a pipeline run on its own; its error is its reply if so asked."""
-        try:
-            return self._send(call, self.redis)
-        except redis.ResponseError as e:
-            if not errors_as_replies:
-                raise
-            return e
+    def _pipeline(self, calls: Sequence[Command | Script]) -> list[Any]:
+        """The replies of ``calls`` sent in one pipeline, errors as replies; on a cluster
+        one pipeline too: redis-py's sends each node its calls, all nodes before reading."""
+        pipe = self.redis.pipeline(transaction=False)
+        for call in calls:
+            pipe.execute_command(*_args(call, self._script))  # type: ignore[no-untyped-call]
+        return pipe.execute(raise_on_error=False)
 
-    def _send(self, call: Command | Script, client: redis.Redis) -> Any:
-        """Send ``call`` through ``client``, or queue it there when it is a pipeline."""
-        if isinstance(call, Script):
-            script = self._scripts.get(call.text)
-            if script is None:
-                script = self._scripts[call.text] = self.redis.register_script(call.text)
-            return script(call.keys, call.args, client=client)
-        return client.execute_command(*call.args)  # type: ignore[no-untyped-call]  # redis-py
+    def _script(self, text: str) -> Any:
+        """The registered script of ``text`` (registered once)."""
+        script = self._scripts.get(text)
+        if script is None:
+            script = self._scripts[text] = self.redis.register_script(text)
+        return script
+
+    def _load(self, text: str) -> None:
+        """Load a script into Redis (on a cluster, into every master)."""
+        self.redis.script_load(text)
 
     def _call_by(self, by: float, *args: Any) -> Any:
         """Run one command on a pooled connection; its reply is due by ``by`` (monotonic s).
@@ -180,27 +183,27 @@ class AsyncRunner:
         if isinstance(step, Receive):
             assert isinstance(step.inbox, AsyncInbox)
             return await step.inbox.receive(step.due)
-        if isinstance(step, Pipelined) and _unpipelinable(self.redis, step):
-            return [await self._alone(call, step.errors_as_replies) for call in step.calls]
         if isinstance(step, Pipelined):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for call in step.calls:
-                    await self._queue(call, pipe)
-                return await pipe.execute(raise_on_error=not step.errors_as_replies)
+            replies = await self._pipeline(step.calls)
+            if any(isinstance(r, NoScriptError) for r in replies):
+                missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+                for text in dict.fromkeys(cast(Script, step.calls[i]).text for i in missing):
+                    await self.redis.script_load(text)
+                again = await self._pipeline([step.calls[i] for i in missing])
+                for i, reply in zip(missing, again, strict=True):
+                    replies[i] = reply
+            return _raised(replies, step.errors_as_replies)
         if isinstance(step, Script):
             return await self._script(step.text)(step.keys, step.args)
         return await self._call_by(step.due, *step.args)
 
-    async def _alone(self, call: Command | Script, errors_as_replies: bool) -> Any:
-        """One call of a pipeline run on its own; its error is its reply if so asked."""
-        try:
-            if isinstance(call, Script):
-                return await self._script(call.text)(call.keys, call.args)
-            return await self.redis.execute_command(*call.args)  # type: ignore[no-untyped-call]
-        except redis.ResponseError as e:
-            if not errors_as_replies:
-                raise
-            return e
+    async def _pipeline(self, calls: Sequence[Command | Script]) -> list[Any]:
+        """As :meth:`BlockingRunner._pipeline`; on a cluster the nodes are sent their calls
+        concurrently."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for call in calls:
+                pipe.execute_command(*_args(call, self._script))
+            return await pipe.execute(raise_on_error=False)
 
     def _script(self, text: str) -> Any:
         """The registered script of ``text`` (registered once)."""
@@ -208,13 +211,6 @@ class AsyncRunner:
         if script is None:
             script = self._scripts[text] = self.redis.register_script(text)
         return script
-
-    async def _queue(self, call: Command | Script, pipe: aioredis.client.Pipeline) -> None:
-        """Queue ``call`` on ``pipe``."""
-        if isinstance(call, Script):
-            await self._script(call.text)(call.keys, call.args, client=pipe)
-        else:
-            pipe.execute_command(*call.args)
 
     async def _call_by(self, by: float | None, *args: Any) -> Any:
         """One command whose reply is due by ``by`` (monotonic s; None: the socket timeout
@@ -229,7 +225,31 @@ class AsyncRunner:
             raise redis.TimeoutError(f"no reply to {args[0]} in time") from e
 
 
-def _unpipelinable(client: Any, step: Pipelined) -> bool:
-    """True for scripts in a pipeline on a cluster, which redis-py refuses to pipeline
-    (several admission calls: a submit over several partitions): they go one by one."""
-    return is_cluster(client) and any(isinstance(call, Script) for call in step.calls)
+def _args(call: Command | Script, script_of: Callable[[str], Any]) -> tuple[Any, ...]:
+    """The command of ``call`` as sent: a script by its SHA1 (``EVALSHA``), so that a
+    pipeline holds scripts on a cluster too (redis-py's pipelines run scripts only on one
+    Redis, checking them first with a ``SCRIPT EXISTS`` of their own)."""
+    if isinstance(call, Command):
+        return call.args
+    return ("EVALSHA", script_of(call.text).sha, len(call.keys), *call.keys, *call.args)
+
+
+def _retried(calls: Sequence[Command | Script], replies: list[Any],
+             load: Callable[[str], None],
+             pipeline: Callable[[Sequence[Command | Script]], list[Any]]) -> None:
+    """Load the scripts Redis did not know (NOSCRIPT: it ran nothing of them), then send
+    those calls again in one pipeline; their replies replace the NOSCRIPT ones."""
+    missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    for text in dict.fromkeys(cast(Script, calls[i]).text for i in missing):
+        load(text)
+    for i, reply in zip(missing, pipeline([calls[i] for i in missing]), strict=True):
+        replies[i] = reply
+
+
+def _raised(replies: list[Any], errors_as_replies: bool) -> list[Any]:
+    """``replies``, or the first error among them raised unless errors are replies."""
+    if not errors_as_replies:
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError):
+                raise reply
+    return replies
