@@ -32,7 +32,6 @@ reply reader (``readers.py``); this module holds only the two faces. The errors 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -54,7 +53,7 @@ from redbatch.common.redis_io import connect, connect_async
 from redbatch.producer.core import ClientCore, QueueState, admitted_jobs
 from redbatch.producer.errors import DuplicateRequestId, QueueFull, ResultTimeout, ResultUnreadable
 from redbatch.producer.handles import AsyncJobHandle, JobHandle
-from redbatch.producer.readers import ReaderTask, ReaderThread
+from redbatch.producer.readers import ReaderTasks, ReaderThreads
 from redbatch.producer.runners import AsyncInbox, AsyncRunner, BlockingRunner, SyncInbox
 
 __all__ = ["AsyncClient", "AsyncJobHandle", "Client", "DuplicateRequestId", "JobCancelled",
@@ -79,9 +78,7 @@ class Client(ClientCore):
         super().__init__(redis_url, model, prefix, max_payload_bytes)
         self.redis = connect(redis_url)
         self._run = BlockingRunner(self.redis).run
-        self._readers: dict[str, ReaderThread] = {}
-        self._readers_lock = threading.Lock()
-        self._closed = False
+        self._readers = ReaderThreads(redis_url)
 
     def submit(self, payload: Any, *, model: str | None = None, timeout_s: float | None = None,
                lane: Lane | str = Lane.INTERACTIVE, params: Mapping[str, Any] | None = None,
@@ -216,11 +213,7 @@ class Client(ClientCore):
 
     def close(self) -> None:
         """Stop the reply readers and close the client's connections."""
-        with self._readers_lock:
-            self._closed = True
-            readers = list(self._readers.values())
-        for reader in readers:
-            reader.stop()
+        self._readers.stop()
         self.redis.close()
 
     def __enter__(self) -> Client:
@@ -233,10 +226,8 @@ class Client(ClientCore):
         """Start the reader of each reply list the client named that has none yet."""
         if len(self._readers) == len(self.reply_waits):
             return
-        with self._readers_lock:
-            for model, waits in list(self.reply_waits.items()):
-                if model not in self._readers and not self._closed:
-                    self._readers[model] = ReaderThread(waits, self.redis_url)
+        for tag, waits in list(self.reply_waits.items()):
+            self._readers.start(tag, waits)
 
     def _gather(self, request_ids: Sequence[str], timeout_s: float,
                 model: str | None) -> Iterator[tuple[str, ResultEnvelope]]:
@@ -259,7 +250,7 @@ class AsyncClient(ClientCore):
         super().__init__(redis_url, model, prefix, max_payload_bytes)
         self.redis = connect_async(redis_url)
         self._run = AsyncRunner(self.redis).run
-        self._readers: dict[str, ReaderTask] = {}
+        self._readers = ReaderTasks(redis_url)
 
     async def submit(self, payload: Any, *, model: str | None = None,
                      timeout_s: float | None = None, lane: Lane | str = Lane.INTERACTIVE,
@@ -343,9 +334,7 @@ class AsyncClient(ClientCore):
 
     async def close(self) -> None:
         """Cancel the reply readers and close the client's connections."""
-        readers, self._readers = list(self._readers.values()), {}
-        for reader in readers:
-            await reader.stop()
+        await self._readers.stop()
         await self.redis.aclose()
 
     async def __aenter__(self) -> AsyncClient:
@@ -357,10 +346,8 @@ class AsyncClient(ClientCore):
     def _start_readers(self) -> None:
         """Start the reader task of each reply list the client named that has none on this
         event loop (a task of a loop that ended is replaced)."""
-        for model, waits in self.reply_waits.items():
-            reader = self._readers.get(model)
-            if reader is None or not reader.running_here():
-                self._readers[model] = ReaderTask(waits, self.redis_url)
+        for tag, waits in list(self.reply_waits.items()):
+            self._readers.start(tag, waits)
 
     async def _gather(self, request_ids: Sequence[str], timeout_s: float,
                       model: str | None) -> AsyncIterator[tuple[str, ResultEnvelope]]:

@@ -1,10 +1,13 @@
-"""The reply reader of each face, each on a connection of its own: a daemon thread for
-:class:`~redbatch.producer.client.Client`, a task for
-:class:`~redbatch.producer.client.AsyncClient`. Its logic is :meth:`ReplyWaits.read_round`
-(``replies.py``, NOTE [ Waiting in groups ]); here it is only repeated, and stopped.
+"""The reply readers of each face, on a client of their own: a daemon thread a reply list
+for :class:`~redbatch.producer.client.Client`, a task for
+:class:`~redbatch.producer.client.AsyncClient`. Their logic is
+:meth:`ReplyWaits.read_round` (``replies.py``, NOTE [ Waiting in groups ]); here it is
+only repeated, and stopped.
 
-Its own connection: the reader's BLPOP never takes the connection a caller's own call
-would reuse, so a caller never has to open one to a hung Redis (see Client.result).
+A client of their own: a reader's BLMPOP never takes the connection a caller's own call
+would reuse, so a caller never has to open one to a hung Redis (see Client.result). One
+for all the readers of a face: a model of P partitions has P reply lists, and a cluster
+client costs a slot map and a command table to make.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ import asyncio
 import logging
 import sys
 import threading
+from typing import Any
 
+import redis
+import redis.asyncio as aioredis
 from redbatch.common.redis_io import connect, connect_async
 from redbatch.producer.replies import ReplyWaits
 from redbatch.producer.runners import AsyncRunner, BlockingRunner
@@ -28,53 +34,84 @@ _JOIN_S = 1.0
 _CANCEL_AGAIN_S = 0.1
 
 
-class ReaderThread:
-    """Repeats ``waits.read_round()`` on a daemon thread, over its own connection to
-    ``redis_url``, until :meth:`stop`."""
+class ReaderThreads:
+    """The reader threads of one Client, one a reply list (one per model and partition),
+    each repeating ``waits.read_round()`` on a daemon thread. They share one Redis client
+    of their own (made at the first start), not the caller's: each blocked call holds a
+    connection of that client's pool (of the node its list lives on, on a cluster), and a
+    client with many partitions opens one client, not one a partition."""
 
-    def __init__(self, waits: ReplyWaits, redis_url: str) -> None:
-        self.waits = waits
-        self.redis = connect(redis_url)
-        self._run = BlockingRunner(self.redis).run
+    def __init__(self, redis_url: str) -> None:
+        self.redis_url = redis_url
+        self._redis: redis.Redis | None = None
+        self._threads: dict[str, threading.Thread] = {}
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True,
-                                        name=f"redbatch-replies-{waits.keys.model}")
-        self._thread.start()
+        self._lock = threading.Lock()
 
-    def _loop(self) -> None:
+    def __len__(self) -> int:
+        return len(self._threads)
+
+    def start(self, tag: str, waits: ReplyWaits) -> None:
+        """Start the reader of ``waits`` (known by ``tag``) unless it runs or all stopped."""
+        with self._lock:
+            if tag in self._threads or self._stopping.is_set():
+                return
+            if self._redis is None:
+                self._redis = connect(self.redis_url)
+            run = BlockingRunner(self._redis).run
+            thread = threading.Thread(target=self._loop, args=(waits, run), daemon=True,
+                                      name=f"redbatch-replies-{tag}")
+            self._threads[tag] = thread
+            thread.start()
+
+    def _loop(self, waits: ReplyWaits, run: Any) -> None:
         while not self._stopping.is_set():
             try:
-                self._run(self.waits.read_round())
+                run(waits.read_round())
             except Exception:
                 if self._stopping.is_set():
                     return  # stop() cut its connection
-                logger.exception("reading reply list %s failed; retrying", self.waits.key)
+                logger.exception("reading reply list %s failed; retrying", waits.key)
                 self._stopping.wait(_FAILED_PAUSE_S)
 
     def stop(self) -> None:
-        """End the thread: its blocked call is cut short by closing its connection; waits
-        _JOIN_S at most for it to notice."""
-        self._stopping.set()
-        self.redis.close()
-        self._thread.join(_JOIN_S)
-        self.redis.close()  # and any connection it opened meanwhile
+        """End every thread: their blocked calls are cut short by closing the client;
+        waits _JOIN_S at most for each to notice."""
+        with self._lock:
+            self._stopping.set()
+            threads, client = list(self._threads.values()), self._redis
+        if client is None:
+            return
+        client.close()
+        for thread in threads:
+            thread.join(_JOIN_S)
+        client.close()  # and any connection they opened meanwhile
 
 
-class ReaderTask:
-    """Repeats ``waits.read_round()`` on a task of the running event loop, over its own
-    connection to ``redis_url``, until :meth:`stop` (or the loop's end cancels it)."""
+class ReaderTasks:
+    """The asyncio twin of :class:`ReaderThreads`: a task a reply list on the running event
+    loop, sharing one client of their own on that loop. A loop that ended leaves tasks
+    and a client behind: tasks started on another loop get a new client."""
 
-    def __init__(self, waits: ReplyWaits, redis_url: str) -> None:
-        self.waits = waits
-        self.redis = connect_async(redis_url)
-        self.task = asyncio.get_running_loop().create_task(
-            self._loop(AsyncRunner(self.redis)), name=f"redbatch-replies-{waits.keys.model}")
+    def __init__(self, redis_url: str) -> None:
+        self.redis_url = redis_url
+        self._redis: aioredis.Redis | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
 
-    def running_here(self) -> bool:
-        """True while the task runs, on the event loop running now."""
-        return not self.task.done() and self.task.get_loop() is asyncio.get_running_loop()
+    def start(self, tag: str, waits: ReplyWaits) -> None:
+        """Start the reader task of ``waits`` unless one runs on this loop."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._redis, self._loop, self._tasks = connect_async(self.redis_url), loop, {}
+        task = self._tasks.get(tag)
+        if task is None or task.done():
+            assert self._redis is not None
+            self._tasks[tag] = loop.create_task(self._run(waits, AsyncRunner(self._redis)),
+                                                name=f"redbatch-replies-{tag}")
 
-    async def _loop(self, runner: AsyncRunner) -> None:
+    @staticmethod
+    async def _run(waits: ReplyWaits, runner: AsyncRunner) -> None:
         task = asyncio.current_task()
         while True:
             if task is not None and sys.version_info >= (3, 11) and task.cancelling():
@@ -83,15 +120,21 @@ class ReaderTask:
                 # even asyncio.run's single cancel at its end stops the reader.
                 raise asyncio.CancelledError
             try:
-                await runner.run(self.waits.read_round())
+                await runner.run(waits.read_round())
             except Exception:
-                logger.exception("reading reply list %s failed; retrying", self.waits.key)
+                logger.exception("reading reply list %s failed; retrying", waits.key)
                 await asyncio.sleep(_FAILED_PAUSE_S)
 
     async def stop(self) -> None:
-        """Cancel the task, again until it ends (see _loop), and close its connection."""
-        while self.running_here():
-            self.task.cancel()
-            await asyncio.wait([self.task], timeout=_CANCEL_AGAIN_S)
-        if self.task.get_loop() is asyncio.get_running_loop():
-            await self.redis.aclose()
+        """Cancel the tasks of this loop, again until they end (see _run), and close their
+        client."""
+        if self._loop is not asyncio.get_running_loop():
+            return
+        tasks, self._tasks = list(self._tasks.values()), {}
+        for task in tasks:
+            while not task.done():
+                task.cancel()
+                await asyncio.wait([task], timeout=_CANCEL_AGAIN_S)
+        if self._redis is not None:
+            await self._redis.aclose()
+        self._redis, self._loop = None, None
