@@ -32,14 +32,18 @@ NOTE [ WAIT after the write ]
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 import redis.cluster
 from hiredis import pack_command
-from redbatch.common.redis_io import REDIS_ERRORS, is_cluster
+from redbatch.common.redis_io import REDIS_ERRORS, is_cluster, node_client, refresh_slots
 from redis.commands.core import CoreCommands
+from redis.crc import key_slot
+from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +109,23 @@ def exec_transaction(client: redis.Redis, commands: Commands,
     EXEC's replies, in order, and what the WAIT after it said (None without ``wait``).
     Raises as the module docstring says.
 
-    On a cluster (all the keys in one slot) the cluster client's own transaction runs them
-    on the master of that slot, following a slot that moved."""
-    if is_cluster(client):
-        return _cluster_transaction(client, commands, wait)
+    On a cluster (all the keys in one slot) the same packed transaction runs on a
+    connection of the master of that slot, by the slot map the client last read. A slot
+    that moved (a failover: every queued command answers MOVED, EXEC aborts, nothing is
+    applied) or a node that fails makes the client read the slot map again, and raises
+    as above: the caller's retry reaches the new master."""
+    if not is_cluster(client):
+        return _exec_on(client, commands, wait)
+    try:
+        return _exec_on(node_client(client, *commands.args[0]), commands, wait)
+    except (*REDIS_ERRORS, MovedError, AskError, ClusterDownError, TryAgainError):
+        refresh_slots(client)
+        raise
+
+
+def _exec_on(client: redis.Redis, commands: Commands,
+             wait: ReplicaWait | None) -> tuple[list[Any], Replication | None]:
+    """exec_transaction on a plain client (one Redis, or one master of a cluster)."""
     pool = client.connection_pool
     conn: Any = pool.get_connection()  # redis-py leaves the connection's methods untyped
     complete = False
@@ -145,17 +162,61 @@ def _read_exec(conn: Any, n: int) -> list[Any]:
     return list(replies) if replies is not None else []
 
 
-def _cluster_transaction(client: redis.Redis, commands: Commands,
-                         wait: ReplicaWait | None) -> tuple[list[Any], Replication | None]:
-    """exec_transaction on a cluster client: the same replies and errors (a refusal at
-    queue time raises its ResponseError; single commands' errors are replies)."""
-    pipe = client.pipeline(transaction=True)
+def pipelined(client: redis.Redis, commands: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+    """The reply of each ``(key, command)``, in order, the commands sent as a plain
+    pipeline (no transaction) packed as exec_transaction packs one; on a cluster each is
+    sent to the master of its key's slot, every master its commands in one write before
+    any reply is read: one round trip, however many masters they reach. Replies are raw
+    (RESP as the parser gives it), an error reply a ResponseError value. A dropped
+    connection or a timeout raises (the connection is dropped); on a cluster that, or a
+    slot that moved, also makes the client read the slot map again (a MOVED reply is
+    raised, once the other replies are read)."""
+    by_node: dict[int, tuple[redis.Redis, list[int]]] = {}
+    for i, (key, _) in enumerate(commands):
+        node = node_of(client, key)
+        by_node.setdefault(id(node), (node, []))[1].append(i)
+    replies: list[Any] = [None] * len(commands)
+    taken: list[tuple[Any, Any, list[int]]] = []
     try:
-        for args in commands.args:
-            pipe.execute_command(*args)  # type: ignore[no-untyped-call]  # redis-py
-        return run_pipeline(pipe, wait)
+        for node, indexes in by_node.values():
+            pool = node.connection_pool
+            conn: Any = pool.get_connection()
+            taken.append((pool, conn, indexes))
+            conn.send_packed_command([b"".join(pack_command(commands[i][1]) for i in indexes)],
+                                     check_health=False)
+        for _, conn, indexes in taken:
+            for i in indexes:
+                try:
+                    replies[i] = conn.read_response()
+                except redis.ResponseError as e:
+                    replies[i] = e
+            indexes.clear()  # every reply read: the connection is clean
+    except REDIS_ERRORS:
+        refresh_slots(client)
+        raise
     finally:
-        pipe.reset()
+        for pool, conn, indexes in taken:
+            if indexes:
+                conn.disconnect()
+            pool.release(conn)
+    if any(isinstance(r, (MovedError, AskError)) for r in replies):
+        refresh_slots(client)
+        raise next(r for r in replies if isinstance(r, (MovedError, AskError)))
+    return replies
+
+
+def node_of(client: redis.Redis, key: str) -> redis.Redis:
+    """The plain client of the master serving ``key``: ``client`` itself on one Redis; on a
+    cluster by the slot map the client last read (the key's slot is remembered)."""
+    if not isinstance(client, redis.cluster.RedisCluster):
+        return client
+    node = client.nodes_manager.get_node_from_slot(_slot(key))
+    return cast(redis.Redis, client.get_redis_connection(node))
+
+
+@functools.lru_cache(maxsize=4096)
+def _slot(key: str) -> int:
+    return int(key_slot(key.encode()))
 
 
 def run_pipeline(pipe: Any, wait: ReplicaWait | None) -> tuple[list[Any], Replication | None]:
