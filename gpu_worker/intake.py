@@ -33,8 +33,9 @@ from redbatch.common.protocol import (
     valid_request_id,
 )
 from redbatch.common.redis_io import StreamEntry
-from redbatch.gpu_worker.partitions import PartitionSet
+from redbatch.gpu_worker.partitions import PartitionSet, read_rounds
 from redbatch.gpu_worker.reclaim import Reclaimer
+from redbatch.gpu_worker.transaction import pipelined
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +43,9 @@ CLOCK_REFRESH_S = 30.0
 #: While bulk jobs fill their in-flight places, how long a read waits on the interactive
 #: stream alone before looking again whether bulk places came free, ms.
 BULK_RECHECK_MS = 10
-#: With several partitions an idle worker blocks on one at a time, each for its share of
-#: the block time, but at most this long, so a job in another waits little (PROTOCOL.md
-#: "Partitions"); on one partition it blocks for the whole block time, as ever.
+#: With several partitions an idle worker blocks on one at a time, at most this long, so a
+#: job in another waits little (PROTOCOL.md "Partitions"); on one partition it blocks for
+#: the whole block time, as ever.
 PARTITION_BLOCK_MAX_MS = 50
 #: Reply lists whose name was checked, remembered so that each is matched once (a client
 #: names one in all its jobs); past this many the memory starts again.
@@ -282,7 +283,7 @@ class Intake:
     def _read_new(self, count: int, bulk_count: int,
                   block_ms: int) -> list[tuple[str, StreamEntry]]:
         # Interactive first, without blocking; then bulk into what room is left for it;
-        # each lane partition by partition, from a starting partition that turns.
+        # each lane over every partition, from a starting partition that turns.
         start = self.partitions.next_turn()
         got = self._read_lane(Lane.INTERACTIVE, count, start)
         bulk_count = min(bulk_count, count - len(got))
@@ -290,27 +291,52 @@ class Intake:
             got += self._read_lane(Lane.BULK, bulk_count, start)
         if got or block_ms <= 0:
             return got
-        # Idle: block on both lanes; or, when bulk has no room, on interactive alone and
-        # only briefly, since bulk places come free without anything arriving in Redis.
-        keys = self.partitions.parts[start]
+        return self._block(count, bulk_count, block_ms, self.partitions.parts[start])
+
+    def _block(self, count: int, bulk_count: int, block_ms: int,
+               keys: Keys) -> list[tuple[str, StreamEntry]]:
+        """Idle: block on both lanes of one partition; or, when bulk has no room, on
+        interactive alone and only briefly, since bulk places come free without anything
+        arriving in Redis. COUNT holds for each stream named, so each lane is asked for
+        half the room: never more entries than places."""
         if self.partitions.count > 1:  # one partition at a time (one slot per call)
-            block_ms = max(1, min(block_ms // self.partitions.count, PARTITION_BLOCK_MAX_MS))
-        if bulk_count > 0:
+            block_ms = max(1, min(block_ms, PARTITION_BLOCK_MAX_MS))
+        both = min(count // 2, bulk_count)
+        if both > 0:
             return self._xreadgroup({keys.stream(Lane.INTERACTIVE): ">",
-                                     keys.stream(Lane.BULK): ">"}, min(count, bulk_count),
-                                    block_ms)
+                                     keys.stream(Lane.BULK): ">"}, both, block_ms)
         return self._xreadgroup({keys.stream(Lane.INTERACTIVE): ">"}, count,
                                 min(block_ms, BULK_RECHECK_MS))
 
     def _read_lane(self, lane: Lane, count: int, start: int) -> list[tuple[str, StreamEntry]]:
-        """Up to ``count`` new entries of one lane, one non-blocking call per partition
-        until that many are read."""
+        """Up to ``count`` new entries of one lane over every partition (but bulk lanes
+        found empty just now: PartitionSet.to_read), without blocking: in rounds
+        (``read_rounds``), each one pipeline of one XREADGROUP per partition asked (one
+        round trip to each node on a cluster); one call with one partition."""
         got: list[tuple[str, StreamEntry]] = []
-        for stream in self.partitions.rotated(lane, start):
-            if len(got) >= count:
-                break
-            got += self._xreadgroup({stream: ">"}, count - len(got), None)
+        rounds = read_rounds(self.partitions.to_read(lane, start), count)
+        asks = next(rounds)
+        while asks:
+            replies = self._read_each(asks)
+            got += [entry for reply in replies for entry in reply]
+            self.partitions.found_empty(lane, [stream for (stream, n), reply
+                                               in zip(asks, replies, strict=True)
+                                               if len(reply) < n])
+            asks = rounds.send([len(reply) for reply in replies])
         return got
+
+    def _read_each(self, asks: list[tuple[str, int]]) -> list[list[tuple[str, StreamEntry]]]:
+        """The new entries of each (stream, count) asked, in one pipeline when several
+        (transaction.pipelined: packed, and one write to each node on a cluster)."""
+        if len(asks) == 1:
+            return [self._xreadgroup({asks[0][0]: ">"}, asks[0][1], None)]
+        replies = pipelined(self._redis, [
+            (stream, ("XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", n, "STREAMS",
+                      stream, ">")) for stream, n in asks])
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError):
+                raise reply
+        return [_entries(reply) for reply in replies]
 
     def _decode(self, stream: str, entry: StreamEntry, now_ms: float, now_s: float,
                 deliveries: int) -> Job | BadEntry:

@@ -4,12 +4,18 @@ read from Redis at start and again every REFRESH_S, and only ever grows here."""
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 
 import redis
 from redbatch.common.protocol import Keys, Lane, parse_partition_history
 
 REFRESH_S = 5.0
 """How often a worker reads the model's partition count again."""
+BULK_RECHECK_S = 0.010
+"""With several partitions, a bulk lane a read found empty is not read again for this
+long: reads come every few ms under load, and a lane without bulk work would cost a call
+each time. A bulk job waits this much longer at most; interactive lanes are read every
+time."""
 
 
 class PartitionSet:
@@ -22,6 +28,8 @@ class PartitionSet:
         self.parts: list[Keys] = [self.model_keys]
         self._checked = float("-inf")
         self._turn = 0
+        #: When each bulk stream was last found empty (monotonic s).
+        self._bulk_empty: dict[str, float] = {}
 
     @property
     def count(self) -> int:
@@ -52,3 +60,41 @@ class PartitionSet:
         """The lane's streams of every partition, from partition ``start`` round."""
         order = self.parts[start:] + self.parts[:start]
         return [keys.stream(lane) for keys in order]
+
+    def to_read(self, lane: Lane, start: int) -> list[str]:
+        """The lane's streams to read, from partition ``start`` round: every one, but for
+        the bulk streams of several partitions found empty in the last BULK_RECHECK_S."""
+        order = self.rotated(lane, start)
+        if lane is Lane.INTERACTIVE or self.count == 1:
+            return order
+        since = time.monotonic() - BULK_RECHECK_S
+        return [s for s in order if self._bulk_empty.get(s, since) <= since]
+
+    def found_empty(self, lane: Lane, streams: list[str]) -> None:
+        """Note the streams a read drained (they gave fewer entries than asked)."""
+        if lane is Lane.BULK and streams:
+            now = time.monotonic()
+            self._bulk_empty.update((s, now) for s in streams)
+
+
+def read_rounds(streams: list[str],
+                room: int) -> Generator[list[tuple[str, int]], list[int], None]:
+    """The rounds of a read of up to ``room`` entries over ``streams`` (in the order to
+    favour), which never asks for more entries than there is room for.
+
+    Each round is ``[(stream, count)]``: the room left shared evenly among the streams that
+    may still hold entries (the first ones get the remainder; with less room than streams,
+    the first ``room`` get one). It is sent how many entries each stream gave; a stream
+    that gave fewer than asked is drained and left out from then on, one that gave all may
+    hold more. Ends (an empty round) when the room is filled or no stream is left: at most
+    one round per stream, and one alone when every stream holds enough.
+    """
+    left = list(streams)
+    while left and room > 0:
+        base, extra = divmod(room, len(left))
+        asks = [(s, base + (i < extra)) for i, s in enumerate(left) if base + (i < extra)]
+        gave = yield asks
+        room -= sum(gave)
+        drained = {s for (s, n), g in zip(asks, gave, strict=True) if g < n}
+        left = [s for s in left if s not in drained]
+    yield []
