@@ -165,3 +165,60 @@ def test_acl_users_score_status_and_dlq_over_partitions_on_three_masters(
     for node in cluster.nodes:
         log = redis.Redis.from_url(cluster.node_url(node)).acl_log()
         assert not [e for e in log if str(e.get("username")).startswith("redbatch-")], node.port
+
+
+def _master_calls(cluster: LocalCluster) -> dict[str, int]:
+    """Calls per command since the last CONFIG RESETSTAT, summed over the masters."""
+    calls: dict[str, int] = {}
+    for node in cluster.live():
+        r = redis.Redis(port=node.port)
+        if r.info("replication")["role"] == "master":
+            for name, stat in r.info("commandstats").items():
+                name = name.removeprefix("cmdstat_")
+                calls[name] = calls.get(name, 0) + stat["calls"]
+        r.close()
+    return calls
+
+
+def test_a_cluster_job_costs_what_it_costs_on_one_redis_in_groups_per_partition(
+        cluster: LocalCluster, rc: redis.Redis, tmp_path: Path) -> None:
+    """Six partitions over three masters; 600 jobs submitted in one call, queued before a
+    worker starts (so they move in groups, as under load), then awaited. Counted by Redis
+    itself (INFO commandstats, summed over the masters): one admission call per partition
+    for the whole submission, no key look-up round trips (COMMAND GETKEYS), and per job
+    its entry, its owner claim and its result, with the groups' share on top as on one
+    Redis (tests/test_redis_calls.py: four calls a job at most)."""
+    n_jobs, count = 600, 6
+    rc.eval(p.RAISE_PARTITIONS_SCRIPT, 1, Keys(MODEL).partitions(), count)
+    rc.script_load(p.ADMIT_SCRIPT)  # on every master: no NOSCRIPT retry in the count
+    with spawned_workers(tmp_path) as start, Client(cluster.url, model=MODEL) as client:
+        for node in cluster.live():
+            redis.Redis(port=node.port).config_resetstat()
+        ids = client.submit_many([FOUR] * n_jobs, timeout_s=120)
+        start(cluster.url, "--max-batch-size", "64", "--max-inflight", "256", model=MODEL)
+        results = client.results(ids, timeout_s=120)
+        calls = _master_calls(cluster)
+    assert all(res.ok for res in results) and len(results) == n_jobs
+    assert {p.partition_of(rid, count) for rid in ids} == set(range(count))
+    clock = sum(calls.get(name, 0) for name in (
+        "config|resetstat", "info", "hello", "client|setinfo", "cluster|slots", "command",
+        "zrange", "zadd", "zremrangebyscore", "xinfo|groups", "xinfo|consumers", "xlen",
+        "ping", "time", "xgroup|create", "xpending", "script|load", "lrange"))
+    # The worker's departed-consumer script (reclaim.py) runs on the clock too: every
+    # EVALSHA but the admission calls (each reads its lane's bound: one HGET a call).
+    clock += calls.get("evalsha", 0) - calls.get("hget", 0)
+    job_path = sum(calls.values()) - clock
+    print(f"\ncluster, P = {count}: {job_path / n_jobs:.2f} calls a job without the clock's, "
+          f"{sum(calls.values()) / n_jobs:.2f} in all: {calls}")
+    assert calls.get("command|getkeys", 0) == 0, calls  # keys found by the client itself
+    # One admission call per partition for the 600 jobs, all in one pipeline: each call
+    # reads its lane's bound once.
+    assert calls.get("hget", 0) == count, calls
+    assert calls.get("xadd", 0) == n_jobs, calls
+    assert calls.get("set", 0) <= 2 * n_jobs + 20, calls  # owner claims, results, fleet
+    # Reads, writes, announcements and pops: paid per group and partition, not per job
+    # (one of each a job would be nine a job; measured about 0.6 in all).
+    assert sum(calls.get(name, 0) for name in (
+        "xreadgroup", "multi", "exec", "xack", "xdel", "rpush", "pexpire", "blmpop",
+        "mget")) < n_jobs, calls
+    assert job_path <= 4 * n_jobs, calls

@@ -28,7 +28,9 @@ from redbatch.cli.local_stack import stop_worker
 from redbatch.cli.redis_server import RedisServer
 from redbatch.common import protocol as p
 from redbatch.common.protocol import DeadLetters, ErrorCode, JobEnvelope, Keys, Lane, ResultEnvelope
+from redbatch.gpu_worker.intake import Intake
 from redbatch.gpu_worker.metrics import Health, WorkerMetrics
+from redbatch.gpu_worker.partitions import BULK_RECHECK_S, read_rounds
 from redbatch.gpu_worker.sampler import Sampler
 from redbatch.producer import core
 from redbatch.producer.bulk import BulkScorer, ScoreSettings
@@ -544,3 +546,65 @@ def test_score_spreads_a_run_over_the_partitions_and_follows_a_raise(
     assert _left_in_redis(r) == []
     assert not any(r.xlen(Keys(MODEL, partition=q).stream(lane)) for q in range(4)
                    for lane in Lane)
+
+
+def test_read_rounds_share_the_room_and_never_ask_for_more() -> None:
+    """A read's rounds: the room shared among the streams that may hold more (the first
+    get the remainder), drained streams left out, never more asked than room left."""
+    rounds = read_rounds(["a", "b", "c", "d", "e"], 12)
+    assert next(rounds) == [("a", 3), ("b", 3), ("c", 2), ("d", 2), ("e", 2)]
+    # c drained (0 of 2); the 2 left go to the streams that gave all they were asked.
+    assert rounds.send([3, 3, 0, 2, 2]) == [("a", 1), ("b", 1)]
+    assert rounds.send([1, 1]) == []  # room filled
+    rounds = read_rounds(["a", "b", "c"], 2)  # less room than streams: one each, in turn
+    assert next(rounds) == [("a", 1), ("b", 1)]
+    assert rounds.send([0, 0]) == [("c", 2)]
+    assert rounds.send([1]) == []  # every stream drained
+    rounds = read_rounds(["x"], 5)  # one partition: one call, as ever
+    assert next(rounds) == [("x", 5)] and rounds.send([5]) == []
+
+
+def _queue_raw(r: redis.Redis, keys: Keys, lane: Lane, n: int, tag: str) -> None:
+    """``n`` jobs added straight to a lane stream of one partition (no admission)."""
+    pipe = r.pipeline(transaction=False)
+    for i in range(n):
+        job = JobEnvelope(request_id=f"{tag}-{keys.partition}-{lane.value}-{i}", model=MODEL,
+                          payload=FOUR, lane=lane)
+        pipe.xadd(keys.stream(lane), job.encode())  # type: ignore[arg-type]
+    pipe.execute()
+
+
+def test_a_worker_reads_every_partition_interactive_first_and_never_past_its_room(
+        r: redis.Redis) -> None:
+    """Four partitions on one Redis, each with ten jobs in each lane: a read of six takes
+    them from every partition (none twice more than another) and only from the
+    interactive lanes; bulk comes once interactive is drained (and once BULK_RECHECK_S
+    passed since a read found the bulk lanes empty); no read returns more than its room,
+    though a blocked read may answer from both lanes."""
+    _set_partitions(r, 4)
+    parts = [Keys(MODEL, partition=q) for q in range(4)]
+    intake = Intake(r, Keys(MODEL), "reader-1", 1 << 20)
+    intake.ensure_groups()
+    intake.read(1, 1, 0)  # own pending entries (none): the recovery pass
+    for keys in parts:
+        for lane in Lane:
+            _queue_raw(r, keys, lane, 10, "rr")
+    jobs, bad = intake.read(6, 6, 0)
+    assert not bad and len(jobs) == 6 and not any(job.bulk for job in jobs)
+    per_part = [sum(job.stream == keys.stream(Lane.INTERACTIVE) for job in jobs)
+                for keys in parts]
+    assert sorted(per_part) == [1, 1, 2, 2], per_part
+    jobs, _ = intake.read(30, 30, 0)  # 34 interactive left: all 30 interactive
+    assert len(jobs) == 30 and not any(job.bulk for job in jobs)
+    time.sleep(BULK_RECHECK_S)  # the first read found the bulk lanes empty: not before
+    jobs, _ = intake.read(30, 30, 0)  # the last 4 interactive, then 26 bulk
+    assert len(jobs) == 30 and sum(not job.bulk for job in jobs) == 4
+    jobs, _ = intake.read(30, 30, 0)  # 14 bulk left, however the room is shared
+    assert len(jobs) == 14 and all(job.bulk for job in jobs)
+    assert intake.read(30, 30, 0) == ([], [])
+    # Blocked on both lanes of a partition whose lanes both hold jobs (as when two
+    # arrive during the block): a room of one still gets one job.
+    _queue_raw(r, parts[0], Lane.INTERACTIVE, 2, "blk")
+    _queue_raw(r, parts[0], Lane.BULK, 2, "blk")
+    assert len(intake._block(1, 1, 100, parts[0])) == 1
+    assert len(intake._block(3, 3, 100, parts[0])) == 2  # one a lane: half the room each
