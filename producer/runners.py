@@ -105,13 +105,23 @@ class BlockingRunner:
             return _raised(replies, step.errors_as_replies)
         if isinstance(step, Command) and step.due is not None:
             return self._call_by(step.due, *step.args)
-        if isinstance(step, Script):
-            return self._script(step.text)(step.keys, step.args)
-        return self.redis.execute_command(*step.args)  # type: ignore[no-untyped-call]
+        return self._alone(step)
+
+    def _alone(self, call: Command | Script) -> Any:
+        """Send one call, not in a pipeline (a script loaded again on NOSCRIPT)."""
+        if isinstance(call, Script):
+            return self._script(call.text)(call.keys, call.args)
+        return self.redis.execute_command(*call.args)  # type: ignore[no-untyped-call]
 
     def _pipeline(self, calls: Sequence[Command | Script]) -> list[Any]:
         """The replies of ``calls`` sent in one pipeline, errors as replies; on a cluster
-        one pipeline too: redis-py's sends each node its calls, all nodes before reading."""
+        one pipeline too: redis-py's sends each node its calls, all nodes before reading.
+        A single call goes alone: a pipeline of one costs more, on a cluster most."""
+        if len(calls) == 1:
+            try:
+                return [self._alone(calls[0])]
+            except redis.ResponseError as e:
+                return [e]
         pipe = self.redis.pipeline(transaction=False)
         for call in calls:
             pipe.execute_command(*_args(call, self._script))  # type: ignore[no-untyped-call]
@@ -200,6 +210,14 @@ class AsyncRunner:
     async def _pipeline(self, calls: Sequence[Command | Script]) -> list[Any]:
         """As :meth:`BlockingRunner._pipeline`; on a cluster the nodes are sent their calls
         concurrently."""
+        if len(calls) == 1:
+            call = calls[0]
+            try:
+                if isinstance(call, Script):
+                    return [await self._script(call.text)(call.keys, call.args)]
+                return [await self.redis.execute_command(*call.args)]  # type: ignore[no-untyped-call]
+            except redis.ResponseError as e:
+                return [e]
         async with self.redis.pipeline(transaction=False) as pipe:
             for call in calls:
                 pipe.execute_command(*_args(call, self._script))
