@@ -10,8 +10,9 @@ null_tensor` processes (no decoding, no pool: Redis and redbatch's own work only
 for --seconds; count the jobs answered, and read each Redis node's CPU time (user + system,
 from the OS) and commands processed (INFO stats) over the same seconds.
 
-Prints one row per (backend, N): jobs/s, the busiest master's CPU share of one core, and
-Redis commands per job; then the per-node ceiling each backend implies (jobs/s at which its
+Prints one row per (backend, N): jobs/s, the busiest master's CPU share of one core,
+Redis commands per job, and the CPU the clients (this process) and the workers spent a job;
+then the per-node ceiling each backend implies (jobs/s at which its
 busiest node would be at 100% of a core, from the measured commands and CPU per job) and
 how many masters a fleet rate needs at that ceiling (--fleet-rate, jobs/s).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import subprocess
 import sys
 import threading
@@ -51,6 +53,8 @@ class Row:
     jobs_per_s: float
     busiest_cpu: float  # share of one core, the busiest master
     commands_per_job: float  # over all masters
+    client_ms: float = 0.0  # CPU ms a job: this process (the clients)
+    workers_ms: float = 0.0  # CPU ms a job: the workers, together
 
 
 def node_usage(servers: list[RedisServer]) -> dict[int, tuple[float, int]]:
@@ -62,6 +66,15 @@ def node_usage(servers: list[RedisServer]) -> dict[int, tuple[float, int]]:
         info = redis.Redis(port=s.port).info("stats")
         out[s.port] = (times.user + times.system, int(info["total_commands_processed"]))
     return out
+
+
+def process_cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes used so far, together."""
+    total = 0.0
+    for pid in pids:
+        times = psutil.Process(pid).cpu_times()
+        total += times.user + times.system
+    return total
 
 
 def drive(url: str, clients: int, batch: int, seconds: float) -> int:
@@ -91,19 +104,25 @@ def measure(backend: str, url: str, masters: list[RedisServer], n: int,
     workers = [start_worker(url, MODEL, ["--model", MODEL, "--calibrate", "off",
                                          "--max-batch-size", "64", "--max-inflight", "256"],
                             f"cluster_scale-{backend}-{n}-{i}.log") for i in range(n)]
+    pids = [w.pid for w in workers]
     try:
         drive(url, args.clients, args.batch, 2.0)  # warm-up, not counted
         before, t0 = node_usage(masters), time.monotonic()
+        mine, theirs = process_cpu_s([os.getpid()]), process_cpu_s(pids)
         jobs = drive(url, args.clients, args.batch, args.seconds)
         after, elapsed = node_usage(masters), time.monotonic() - t0
+        mine, theirs = process_cpu_s([os.getpid()]) - mine, process_cpu_s(pids) - theirs
     finally:
         for w in workers:
             w.stop()
     cpu = {p: (after[p][0] - before[p][0]) / elapsed for p in after}
     commands = sum(after[p][1] - before[p][1] for p in after)
-    row = Row(backend, n, jobs / elapsed, max(cpu.values()), commands / max(jobs, 1))
+    done = max(jobs, 1)
+    row = Row(backend, n, jobs / elapsed, max(cpu.values()), commands / done,
+              1000 * mine / done, 1000 * theirs / done)
     print(f"  {backend:14s} workers {n}: {row.jobs_per_s:7.0f} jobs/s   busiest master "
-          f"{row.busiest_cpu:5.0%} of a core   {row.commands_per_job:5.2f} commands/job "
+          f"{row.busiest_cpu:5.0%} of a core   {row.commands_per_job:5.2f} commands/job   "
+          f"CPU ms a job: clients {row.client_ms:.3f}, workers {row.workers_ms:.3f} "
           f"(per master: {', '.join(f'{c:.0%}' for c in cpu.values())})", flush=True)
     return row
 
@@ -131,9 +150,11 @@ def run(args: argparse.Namespace) -> list[Row]:
 
 def report(rows: list[Row], fleet_rate: float) -> None:
     write_csv("cluster_scale.csv", ["backend", "workers", "jobs_per_s", "busiest_master_cpu",
-                                    "commands_per_job"],
+                                    "commands_per_job", "client_cpu_ms_per_job",
+                                    "workers_cpu_ms_per_job"],
               [[r.backend, r.workers, round(r.jobs_per_s, 1), round(r.busiest_cpu, 3),
-                round(r.commands_per_job, 2)] for r in rows])
+                round(r.commands_per_job, 2), round(r.client_ms, 4), round(r.workers_ms, 4)]
+               for r in rows])
     for backend in dict.fromkeys(r.backend for r in rows):
         mine = [r for r in rows if r.backend == backend]
         top = max(mine, key=lambda r: r.jobs_per_s)
