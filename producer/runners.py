@@ -100,7 +100,7 @@ class BlockingRunner:
             return step.inbox.receive(step.due)
         if isinstance(step, Pipelined):
             replies = self._pipeline(step.calls)
-            if any(isinstance(r, NoScriptError) for r in replies):
+            if _no_script(replies):
                 _retried(step.calls, replies, self._load, self._pipeline)
             return _raised(replies, step.errors_as_replies)
         if isinstance(step, Command) and step.due is not None:
@@ -195,8 +195,7 @@ class AsyncRunner:
             return await step.inbox.receive(step.due)
         if isinstance(step, Pipelined):
             replies = await self._pipeline(step.calls)
-            if any(isinstance(r, NoScriptError) for r in replies):
-                missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+            if missing := _no_script(replies):  # as _retried, awaited
                 for text in dict.fromkeys(cast(Script, step.calls[i]).text for i in missing):
                     await self.redis.script_load(text)
                 again = await self._pipeline([step.calls[i] for i in missing])
@@ -257,11 +256,16 @@ def _retried(calls: Sequence[Command | Script], replies: list[Any],
              pipeline: Callable[[Sequence[Command | Script]], list[Any]]) -> None:
     """Load the scripts Redis did not know (NOSCRIPT: it ran nothing of them), then send
     those calls again in one pipeline; their replies replace the NOSCRIPT ones."""
-    missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    missing = _no_script(replies)
     for text in dict.fromkeys(cast(Script, calls[i]).text for i in missing):
         load(text)
     for i, reply in zip(missing, pipeline([calls[i] for i in missing]), strict=True):
         replies[i] = reply
+
+
+def _no_script(replies: list[Any]) -> list[int]:
+    """Indexes of the NOSCRIPT replies: scripts Redis did not know, and did not run."""
+    return [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
 
 
 def _raised(replies: list[Any], errors_as_replies: bool) -> list[Any]:

@@ -222,3 +222,20 @@ def test_a_cluster_job_costs_what_it_costs_on_one_redis_in_groups_per_partition(
         "xreadgroup", "multi", "exec", "xack", "xdel", "rpush", "pexpire", "blmpop",
         "mget")) < n_jobs, calls
     assert job_path <= 4 * n_jobs, calls
+
+
+def test_a_submission_loads_the_script_on_the_masters_that_lack_it_and_sends_those_again(
+        cluster: LocalCluster, rc: redis.Redis) -> None:
+    """One pipeline of admission calls over six partitions, the script known to one master
+    only: the masters without it answer NOSCRIPT (and ran nothing), the client loads it and
+    sends those calls again, and only those: every job queued once (a call sent twice
+    would have answered DUPLICATE_REQUEST_ID)."""
+    rc.eval(p.RAISE_PARTITIONS_SCRIPT, 1, Keys(MODEL).partitions(), 6)
+    rc.script_flush()
+    knows = cluster.master_of(Keys(MODEL).stream(Lane.INTERACTIVE))
+    redis.Redis(port=knows.port).script_load(p.ADMIT_SCRIPT)
+    with Client(cluster.url, model=MODEL) as client:
+        ids = [h.request_id for h in client.submit_many([FOUR] * 120, timeout_s=60)]
+    assert len(set(ids)) == 120
+    queued = [rc.xlen(Keys(MODEL, partition=q).stream(Lane.INTERACTIVE)) for q in range(6)]
+    assert sum(queued) == 120 and all(queued), queued
