@@ -7,21 +7,22 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 import redis.cluster
-from cluster import LocalCluster
+from cluster import LocalCluster, wait_replicated
 from conftest import settings_free_env
 from redbatch.cli.acl_rules import user_url
 from redbatch.common import protocol as p
 from redbatch.common.protocol import AnswerKeys, DeadLetters, JobEnvelope, Keys, Lane, ReplyList
-from redbatch.common.redis_io import connect
+from redbatch.common.redis_io import connect, refresh_slots
 from redbatch.gpu_worker.transaction import Commands
 from redbatch.producer import core
-from redbatch.producer.client import Client
+from redbatch.producer.client import Client, DuplicateRequestId, QueueFull
 from redbatch.producer.core import _admit
 from redis.crc import key_slot
 from spawned_workers import spawned_workers
@@ -239,3 +240,38 @@ def test_a_submission_loads_the_script_on_the_masters_that_lack_it_and_sends_tho
     assert len(set(ids)) == 120
     queued = [rc.xlen(Keys(MODEL, partition=q).stream(Lane.INTERACTIVE)) for q in range(6)]
     assert sum(queued) == 120 and all(queued), queued
+
+
+def test_a_failover_of_one_partitions_master_loses_no_accepted_job(
+        cluster: LocalCluster, rc: redis.Redis, tmp_path: Path) -> None:
+    """Three partitions, one per master; the master of partition 1 SIGKILLed with jobs
+    queued and more arriving. The workers' reads (one pipeline over the three masters) and
+    writes, the client's submissions (one pipeline too) and its reply readers all ride
+    the failover: every job the client got an id for is answered ok, and the workers
+    never exit (as tests/test_cluster.py, where the model has one partition)."""
+    rc.eval(p.RAISE_PARTITIONS_SCRIPT, 1, Keys(MODEL).partitions(), 3)
+    victim = Keys(MODEL, partition=1)
+    with spawned_workers(tmp_path) as start:
+        workers = [start(cluster.url, "--reclaim-idle-ms", "2000", model=MODEL)
+                   for _ in range(2)]
+        with Client(cluster.url, model=MODEL) as client:
+            ids = [h.request_id for h in client.submit_many([FOUR] * 300, timeout_s=600)]
+            master = cluster.master_of(victim.stream(Lane.INTERACTIVE))
+            wait_replicated(master)
+            master.kill()
+            deadline = time.monotonic() + 60
+            while len(ids) < 600 and time.monotonic() < deadline:
+                try:  # refused or cut off during the failover: nothing queued, try again
+                    ids += [h.request_id for h in client.submit_many([FOUR] * 30,
+                                                                     timeout_s=600)]
+                except (redis.RedisError, ConnectionError, QueueFull, DuplicateRequestId):
+                    time.sleep(0.2)
+            assert len(ids) == 600, "the new master takes jobs within a minute"
+            results = client.results(ids, timeout_s=120)
+        assert [r.request_id for r in results] == ids
+        assert all(r.ok for r in results), [r for r in results if not r.ok][:3]
+        assert all(proc.poll() is None for proc, _ in workers), "workers never exit"
+    assert cluster.master_of(victim.stream(Lane.INTERACTIVE)) is not master
+    master.start()  # back as a replica of the new master, for any test after this one
+    cluster.wait_ok(60)
+    refresh_slots(rc)  # the fixture flushes the masters of today's map
