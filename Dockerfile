@@ -18,6 +18,7 @@ COPY pyproject.toml README.md PROTOCOL.md __init__.py py.typed ./
 COPY cli ./cli
 COPY common ./common
 COPY producer ./producer
+COPY scoring ./scoring
 COPY handlers ./handlers
 COPY gpu_worker ./gpu_worker
 COPY preproc_worker ./preproc_worker

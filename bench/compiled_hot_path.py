@@ -1,7 +1,7 @@
 """What compiling the worker's per-job Python with mypyc would save: a measured prototype.
 
     .venv/bin/python bench/compiled_hot_path.py [--rounds 7] [--groups 100] [--keep DIR]
-                                                [--modules redbatch/gpu_worker/batcher.py ...]
+                                                [--modules redbatch/gpu_worker/batching/batcher.py ...]
 
 Issue 13 asks what would bring the worker's per-job Python cost down if Python alone cannot:
 this measures one candidate, compiling the hot-path modules to C with mypyc, on the product's
@@ -88,13 +88,13 @@ from redbatch.common.protocol import (
 )
 from redbatch.common.protocol import GROUP as CONSUMER_GROUP
 from redbatch.common.redis_io import StreamEntry
-from redbatch.gpu_worker.batcher import Batcher, LatencyEstimator
-from redbatch.gpu_worker.capacity import Capacity
+from redbatch.gpu_worker.batching.batcher import Batcher, LatencyEstimator
+from redbatch.gpu_worker.batching.capacity import Capacity
 from redbatch.gpu_worker.events import Written
-from redbatch.gpu_worker.intake import BadEntry, Intake, Job
 from redbatch.gpu_worker.metrics import Health
 from redbatch.gpu_worker.outbox import Outbox
-from redbatch.gpu_worker.results import Answer, Flushed, ResultWriter
+from redbatch.gpu_worker.streams.intake import BadEntry, Intake, Job
+from redbatch.gpu_worker.streams.results import Answer, Flushed, ResultWriter
 
 GROUP = 64
 """Jobs per group: one intake read, one batch, one write."""
@@ -105,11 +105,11 @@ DEFAULT_MODULES = (
     "common/protocol/keys.py",
     "common/protocol/request_keys.py",
     "common/protocol/fleet.py",
-    "gpu_worker/batcher.py",
-    "gpu_worker/intake.py",
-    "gpu_worker/results.py",
+    "gpu_worker/batching/batcher.py",
+    "gpu_worker/streams/intake.py",
+    "gpu_worker/streams/results.py",
     "gpu_worker/outbox.py",
-    "gpu_worker/capacity.py",
+    "gpu_worker/batching/capacity.py",
 )
 #: What the temporary package holds: the package's own code, as installed.
 PACKAGE_PARTS = ("__init__.py", "py.typed", "cli", "common", "gpu_worker", "handlers",
@@ -139,7 +139,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def module_name(path: str) -> str:
-    """``gpu_worker/intake.py`` -> ``redbatch.gpu_worker.intake``."""
+    """``gpu_worker/streams/intake.py`` -> ``redbatch.gpu_worker.streams.intake``."""
     return "redbatch." + path.removesuffix(".py").replace("/", ".")
 
 

@@ -20,7 +20,7 @@ are smaller (~0.8 MB) and their entropy decoding, which no draft mode shortens, 
    processes rather than a PreprocPool: this is decoding's own capacity, without the task
    and record hand-offs (bench/cpu_budget.py measures those).
 3. The projection for a ``--cores`` box: one process's rate here times the pool a worker
-   starts there by default (gpu_worker/device.py ``choose_pool_processes``): on CUDA
+   starts there by default (gpu_worker/device/prepare.py ``choose_pool_processes``): on CUDA
    cores - 1; on CPU, where the model's default threads take every core, a third of them.
    Assumes cores as fast as these, and linear scaling: each process decodes its own data
    and shares only memory bandwidth. The efficiency measured here at the most processes
@@ -48,7 +48,7 @@ import numpy as np
 from harness import machine_load, photos, plot, write_csv
 from PIL import Image
 from redbatch.common.config import LimitSettings
-from redbatch.gpu_worker.device import choose_pool_processes
+from redbatch.gpu_worker.device.prepare import choose_pool_processes
 from redbatch.handlers.decode import normalise_into, open_image, resize_center_crop
 from redbatch.handlers.imagenet import EfficientNetLite0
 

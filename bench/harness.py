@@ -42,7 +42,7 @@ import redis
 from PIL import Image, ImageDraw
 from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
 from redbatch.common.protocol import JobEnvelope, Keys, Lane, ResultEnvelope
-from redbatch.gpu_worker import malloc_tuning
+from redbatch.gpu_worker.device import malloc_tuning
 from redbatch.producer.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,8 +65,9 @@ def set_out_dir(path: str | Path) -> Path:
 
 
 def reexec_with_worker_malloc() -> None:
-    """Re-run this script under the worker's malloc settings (gpu_worker/malloc_tuning.py), so
-    in-process baselines and the client run under the same glibc as the worker."""
+    """Re-run this script under the worker's malloc settings
+    (gpu_worker/device/malloc_tuning.py), so in-process baselines and the client run under the
+    same glibc as the worker."""
     if malloc_tuning.wanted():
         os.execve(sys.executable, [sys.executable, *sys.argv],
                   {**os.environ, **malloc_tuning.MALLOC_ENV})

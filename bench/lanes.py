@@ -32,7 +32,7 @@ import redis
 from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
 from redbatch.cli.redis_server import RedisServer
 from redbatch.common.protocol import Keys, Lane
-from redbatch.gpu_worker import malloc_tuning
+from redbatch.gpu_worker.device import malloc_tuning
 from redbatch.producer.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -140,8 +140,8 @@ from redbatch.common.protocol import (
 from redbatch.common.protocol import GROUP as CONSUMER_GROUP
 from redbatch.common.protocol.envelopes import _refuse_ext
 from redbatch.common.protocol.keys import _NAME_RE, _REQUEST_ID_RE
-from redbatch.gpu_worker.intake import Job
-from redbatch.gpu_worker.results import RECENT_UPKEEP_S
+from redbatch.gpu_worker.streams.intake import Job
+from redbatch.gpu_worker.streams.results import RECENT_UPKEEP_S
 from redis.client import EMPTY_RESPONSE
 
 PARTS = ("decode", "answers", "transaction")

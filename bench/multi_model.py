@@ -13,7 +13,7 @@ For each mode it prints each model's answers per second, the sum of its batches'
 (redbatch_inference_seconds_sum, over the steady phase; on CPU lanes a batch's run time
 also holds its wait to be collected behind the batch launched before it) and the peak
 memory (RSS) of the worker processes and their pools. The shared worker offers the device
-to the model that used the least of it (gpu_worker/scheduler.py); separate workers split
+to the model that used the least of it (gpu_worker/batching/scheduler.py); separate workers split
 it however their threads happen to compete. On a small CPU the pool and the lanes share
 the same cores, so which part limits each model moves with the machine's load: read it
 on a GPU machine for the device's split. A measurement, not a test.

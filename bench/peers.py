@@ -22,7 +22,7 @@ Poisson arrivals at ``--open-load`` x the best peer's measured capacity (or ``--
 same rate for every system: p50/p99 at that load. Latencies are the clients' own clocks.
 
 Every process (servers and clients) runs under the malloc settings the redbatch worker gives
-itself (gpu_worker/malloc_tuning.py): the script re-executes itself with them and the servers
+itself (gpu_worker/device/malloc_tuning.py): the script re-executes itself with them and the servers
 inherit them, so this compares serving systems, not glibc. A system that cannot be installed
 or started is reported as skipped, with the reason; its log is bench/out/peers-<name>.log.
 
@@ -47,7 +47,7 @@ from typing import Any
 
 from peer_systems.load import Run, closed_loop, open_loop
 from peer_systems.model import VARIANT_ENV
-from redbatch.gpu_worker import malloc_tuning
+from redbatch.gpu_worker.device import malloc_tuning
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 from PIL import Image
 from redbatch.common.config import LimitSettings, PoolSettings
-from redbatch.gpu_worker import malloc_tuning
+from redbatch.gpu_worker.device import malloc_tuning
 from redbatch.preproc_worker.pool import PreprocPool
 from redbatch.preproc_worker.shm import SlotArray
 from redbatch.preproc_worker.worker import PreprocDone

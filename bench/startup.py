@@ -7,7 +7,7 @@ in a row, each after the previous stopped, with the calibration profile of DIR (
 this machine's, REDBATCH_PROFILE_DIR or ~/.cache/redbatch/profiles), and times each from
 spawn to ready (its "model ready" line and its place in the consumer group). The first
 start after the compiled package was removed (``--cold``, the default) builds it; the
-others load it (gpu_worker/packaged.py). After each start it scores ``--photos`` sample
+others load it (gpu_worker/device/packaged.py). After each start it scores ``--photos`` sample
 photos to show the rate the start leads to. Prints one line per start and the ratio
 cold / warm last. Measures, asserts nothing.
 """

@@ -19,7 +19,7 @@
            the eager model in batches of 16, default torch threads and glibc's default malloc
            (run without the worker's MALLOC_* variables).
 
-1-4 run under the same malloc settings (the worker's, see gpu_worker/malloc_tuning.py): the
+1-4 run under the same malloc settings (the worker's, see gpu_worker/device/malloc_tuning.py): the
 script re-executes itself with them, so the comparison is of the pipeline, not of glibc.
 
 With --repeat N every variant runs N times, interleaved, and the medians (of the rates, and
@@ -60,7 +60,7 @@ from harness import (
 )
 from redbatch.cli.redis_server import RedisServer
 from redbatch.common.config import LimitSettings
-from redbatch.gpu_worker import malloc_tuning
+from redbatch.gpu_worker.device import malloc_tuning
 from redbatch.handlers import EfficientNetLite0
 from redbatch.producer.client import Client
 
@@ -83,7 +83,7 @@ def load_variant(variant: str) -> tuple[EfficientNetLite0, Callable[[torch.Tenso
     handler = EfficientNetLite0(LimitSettings())
     model = handler.load(torch.device("cpu"))
     try:
-        from redbatch.gpu_worker.device import precision, prepare_model
+        from redbatch.gpu_worker.device.prepare import precision, prepare_model
         from redbatch.gpu_worker.tuning.variants import parse_variant
 
         v = parse_variant(variant)

@@ -61,12 +61,12 @@ def calibrate(**options: Any) -> None:
     the peak throughput within the latency budget and the fastest faithful variant, and
     prints the table and the choice.
     """
-    from redbatch.gpu_worker.malloc_tuning import reexec_with_malloc_tuning
+    from redbatch.gpu_worker.device.malloc_tuning import reexec_with_malloc_tuning
 
     reexec_with_malloc_tuning("redbatch.cli")  # measure under the worker's malloc
     setup_logging(options.pop("log_level"))
     # Imported here: torch loads with these, which the other commands never need.
-    from redbatch.gpu_worker.device import choose_torch_threads, cpu_lanes, resolve_device
+    from redbatch.gpu_worker.device.prepare import choose_torch_threads, cpu_lanes, resolve_device
     from redbatch.gpu_worker.tuning.calibrate import calibrate_to_file
 
     try:

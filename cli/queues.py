@@ -3,7 +3,7 @@ dead-lettered.
 
 ``limit`` bounds a lane's queue (admission control) and ``job`` shows or cancels one job,
 both through the producer's :class:`Client`; ``dlq`` lists, replays and deletes dead
-letters through ``producer/dlq.py``; ``partitions`` shows or raises the partition count.
+letters through ``cli/dead_letters.py``; ``partitions`` shows or raises the partition count.
 All act on one model's keys, in every partition of it (PROTOCOL.md "Partitions").
 """
 
@@ -15,6 +15,7 @@ from typing import Any, TypeVar, cast
 
 import click
 import redis
+from redbatch.cli import dead_letters
 from redbatch.cli import options as o
 from redbatch.cli.errors import BadInput
 from redbatch.cli.redis_target import connect_to
@@ -27,7 +28,6 @@ from redbatch.common.protocol import (
     parse_partition_history,
     valid_request_id,
 )
-from redbatch.producer import dlq as dead_letters
 from redbatch.producer.client import Client
 
 T = TypeVar("T")

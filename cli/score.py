@@ -1,6 +1,6 @@
 """``redbatch score``: score many inputs into one output file, resumably.
 
-The scoring is ``producer/bulk.py``'s :class:`BulkScorer`; this module parses the
+The scoring is ``scoring/bulk.py``'s :class:`BulkScorer`; this module parses the
 options, finds the Redis (or starts a private stack), and turns what can go wrong
 into one line and an exit code.
 """
@@ -24,12 +24,12 @@ from redbatch.cli.signals import signals_raise, signals_stop
 from redbatch.common.config import default_of
 from redbatch.common.logs import setup_logging
 from redbatch.common.protocol import Lane
-from redbatch.producer.bulk import BulkScorer, ScoreSettings
 from redbatch.producer.client import Client
-from redbatch.producer.inputs import ManifestError, count_items, iter_items
-from redbatch.producer.output import DoneIndex, OutputWriter
-from redbatch.producer.progress import Progress
-from redbatch.producer.watch import WorkerWatch
+from redbatch.scoring.bulk import BulkScorer, ScoreSettings
+from redbatch.scoring.inputs import ManifestError, count_items, iter_items
+from redbatch.scoring.output import DoneIndex, OutputWriter
+from redbatch.scoring.progress import Progress
+from redbatch.scoring.watch import WorkerWatch
 
 logger = logging.getLogger(__name__)
 

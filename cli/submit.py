@@ -13,8 +13,8 @@ from redbatch.cli.redis_target import redis_for
 from redbatch.cli.signals import signals_raise
 from redbatch.common.logs import setup_logging
 from redbatch.common.protocol import Lane
-from redbatch.producer.inputs import iter_files
-from redbatch.producer.submit import submit_files
+from redbatch.scoring.files import submit_files
+from redbatch.scoring.inputs import iter_files
 
 
 @click.command()

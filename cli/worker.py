@@ -153,7 +153,7 @@ _tuning_options = together(
 def worker(**options: Any) -> None:
     """Serve a model (or several: --model A --model B): read jobs, batch them, write
     results."""
-    from redbatch.gpu_worker.malloc_tuning import reexec_with_malloc_tuning
+    from redbatch.gpu_worker.device.malloc_tuning import reexec_with_malloc_tuning
 
     reexec_with_malloc_tuning("redbatch.cli")
     setup_logging(options["log_level"], options.pop("log_format"))

@@ -30,7 +30,8 @@ DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_MAX_WAIT_MS = 5.0
 DEFAULT_MAX_INFLIGHT = 64
 DEFAULT_MAX_PAYLOAD_BYTES = 20 * 1024 * 1024
-#: Padded tokens (rows x the longest) a batch of a text model may hold (gpu_worker/shaping.py).
+#: Padded tokens (rows x the longest) a batch of a text model may hold
+#: (gpu_worker/batching/shaping.py).
 DEFAULT_MAX_BATCH_TOKENS = 4096
 #: Schemes of a Redis URL; the ``+cluster`` ones name a Redis Cluster by its nodes.
 REDIS_URL_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
@@ -200,13 +201,13 @@ class BatchSettings:
     #: How long waiting bulk requests may go unserved before they are owed places, ms.
     bulk_starve_ms: float = 500.0
     #: Expected run time a batch holding bulk requests may reach while interactive traffic
-    #: is arriving, ms; 0 for no limit (see gpu_worker/batcher.py LanePolicy).
+    #: is arriving, ms; 0 for no limit (see gpu_worker/batching/batcher.py LanePolicy).
     bulk_batch_ms: float = 25.0
     #: In-flight places bulk jobs may never take, so interactive jobs are read at once.
     interactive_reserve: int = 0
     #: For a model whose inputs have a cost (the text model: tokens), most padded tokens a
     #: batch may hold (rows x its longest input), and requests are grouped in length
-    #: buckets (gpu_worker/shaping.py); 0: plain size batching, padded to the longest.
+    #: buckets (gpu_worker/batching/shaping.py); 0: plain size batching, padded to the longest.
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
 
     def __post_init__(self) -> None:
@@ -228,7 +229,7 @@ class BatchSettings:
 @dataclass(frozen=True, slots=True)
 class PoolSettings:
     #: Preprocessing processes; 0: auto, the cores the model's threads leave, resolved by
-    #: the worker at start (gpu_worker/device.py choose_pool_processes).
+    #: the worker at start (gpu_worker/device/prepare.py choose_pool_processes).
     processes: int = 0
     #: How a pool process is started; spawn never copies the worker's threads or sockets.
     start_method: str = "spawn"

@@ -13,10 +13,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from redbatch.gpu_worker.intake import BadEntry, Job
+from redbatch.gpu_worker.device.runner import Outcome
 from redbatch.gpu_worker.metrics import Health
-from redbatch.gpu_worker.model import Outcome
-from redbatch.gpu_worker.results import Answer, Flushed
+from redbatch.gpu_worker.streams.intake import BadEntry, Job
+from redbatch.gpu_worker.streams.results import Answer, Flushed
 from redbatch.preproc_worker.worker import PreprocDone
 
 

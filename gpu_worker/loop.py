@@ -23,12 +23,12 @@ NOTE [ Worker threads ]
   so there are no locks around state. Work moves in groups: one event per
   intake read, per pool message, per batch and per write. The model thread
   submits a batch and the collect thread waits for its outputs (NOTE [ Device
-  path ] in gpu_worker/model.py): on CUDA two batches are in flight, so the
+  path ] in gpu_worker/device/runner.py): on CUDA two batches are in flight, so the
   next batch's copy to the device overlaps this one's compute; on CPU one per
   lane, each lane running its forward pass on a thread of its own. While the
   model is busy, the main loop keeps reading and the next batch grows; while
   a write is in flight, the next one grows (outbox.py).
-  Two more threads never touch that state: the sampler (gpu_worker/sampler.py)
+  Two more threads never touch that state: the sampler (gpu_worker/streams/sampler.py)
   puts what Redis holds into gauges, and the metrics server answers HTTP from
   the metrics and from ``Health``, which the main loop marks on every step.
 
@@ -37,7 +37,7 @@ NOTE [ Worker threads ]
   outbox (startup.Served); events say whose they are. The pool's processes,
   the model and collect threads and the device are shared: the device runs at
   most its depth of batches at once, whichever models they are of, and its
-  turns go to the models as gpu_worker/scheduler.py says (fair in device time).
+  turns go to the models as gpu_worker/batching/scheduler.py says (fair in device time).
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ import time
 from collections import Counter, deque
 
 from redbatch.common.protocol import ErrorCode, Lane, stream_partition
+from redbatch.gpu_worker.batching.scheduler import ModelTurns
+from redbatch.gpu_worker.batching.shaping import ShapedBatcher
 from redbatch.gpu_worker.events import (
     Channels,
     Control,
@@ -58,11 +60,9 @@ from redbatch.gpu_worker.events import (
     Read,
     Written,
 )
-from redbatch.gpu_worker.intake import Job
-from redbatch.gpu_worker.results import Answer
-from redbatch.gpu_worker.scheduler import ModelTurns
-from redbatch.gpu_worker.shaping import ShapedBatcher
 from redbatch.gpu_worker.startup import Parts, Served
+from redbatch.gpu_worker.streams.intake import Job
+from redbatch.gpu_worker.streams.results import Answer
 from redbatch.preproc_worker.worker import PreprocDone, Task, preprocess_group
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class MainLoop:
     """The main loop, built whole from the worker's parts (startup.build): it owns their
     state and runs until the worker is stopped (or drained, in burst mode). With several
     models, each has its own batcher, places, slots and outbox (startup.Served); they share
-    the pool, and the device's turns go to them as gpu_worker/scheduler.py decides."""
+    the pool, and the device's turns go to them as gpu_worker/batching/scheduler.py decides."""
 
     def __init__(self, parts: Parts, control: Control, channels: Channels) -> None:
         self.settings = parts.settings

@@ -311,7 +311,7 @@ class WorkerMetrics:
             self.padded_tokens.inc(sum(rows for _, rows in costs) * longest)
 
     def result_waited(self, replication: Any) -> None:
-        """One WAIT after a write of results (gpu_worker/transaction.py ``Replication``)."""
+        """One WAIT after a write of results (gpu_worker/streams/transaction.py ``Replication``)."""
         self.result_waits["short" if replication.short else "acked"].inc()
 
     def reclaimed(self, n: int) -> None:

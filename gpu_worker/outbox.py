@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from redbatch.common.redis_io import Backoff, RedisRefused
 from redbatch.gpu_worker.events import Written
 from redbatch.gpu_worker.metrics import Health
-from redbatch.gpu_worker.results import Answer, Flushed
+from redbatch.gpu_worker.streams.results import Answer, Flushed
 
 logger = logging.getLogger(__name__)
 

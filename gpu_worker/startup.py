@@ -24,15 +24,9 @@ from redbatch import __version__
 from redbatch.common.config import BatchSettings, RedisSettings, Settings
 from redbatch.common.protocol import Keys
 from redbatch.common.redis_io import REDIS_ERRORS, Backoff, RedisUnavailable, connect, error_code
-from redbatch.gpu_worker import malloc_tuning
-from redbatch.gpu_worker.batcher import Batcher, LanePolicy, LatencyEstimator
-from redbatch.gpu_worker.capacity import Capacity
-from redbatch.gpu_worker.intake import Intake, Job
-from redbatch.gpu_worker.metrics import Health, WorkerMetrics
-from redbatch.gpu_worker.model import ModelRunner
-from redbatch.gpu_worker.outbox import Outbox
-from redbatch.gpu_worker.results import Answer, ResultWriter
-from redbatch.gpu_worker.shaping import (
+from redbatch.gpu_worker.batching.batcher import Batcher, LanePolicy, LatencyEstimator
+from redbatch.gpu_worker.batching.capacity import Capacity
+from redbatch.gpu_worker.batching.shaping import (
     DEFAULT_SMALLEST_EDGE,
     SERVING_EDGES_PER_OCTAVE,
     ShapedBatcher,
@@ -40,7 +34,13 @@ from redbatch.gpu_worker.shaping import (
     TokenLatencyEstimator,
     octave_edges,
 )
-from redbatch.gpu_worker.transaction import ReplicaWait
+from redbatch.gpu_worker.device import malloc_tuning
+from redbatch.gpu_worker.device.runner import ModelRunner
+from redbatch.gpu_worker.metrics import Health, WorkerMetrics
+from redbatch.gpu_worker.outbox import Outbox
+from redbatch.gpu_worker.streams.intake import Intake, Job
+from redbatch.gpu_worker.streams.results import Answer, ResultWriter
+from redbatch.gpu_worker.streams.transaction import ReplicaWait
 from redbatch.gpu_worker.tuning.apply import Tuned, warmup_sizes
 from redbatch.gpu_worker.tuning.shapes import (
     can_measure,
@@ -248,7 +248,7 @@ def load_model(s: Settings, tuned: Tuned, handler: Handler, slots: SlotArray,
     assert tuned.device is not None, "tune() chose the device"
     model, variant = tuned.model, tuned.variant
     if tuned.package is not None and model is not None:
-        from redbatch.gpu_worker.packaged import package_or_none
+        from redbatch.gpu_worker.device.packaged import package_or_none
 
         packaged, note = package_or_none(model, variant, handler.input_shape,
                                          handler.input_dtype, s.batch.max_batch_size,

@@ -1,8 +1,8 @@
 """The worker's helper threads: each does I/O or compute and hands the main loop events.
 
-The reader takes jobs from Redis (gpu_worker/intake.py) into free in-flight places; the
+The reader takes jobs from Redis (gpu_worker/streams/intake.py) into free in-flight places; the
 model thread submits batches to the runner and the collect thread waits for their outputs
-(NOTE [ Device path ] in model.py); the writer writes answers and acknowledges their jobs
+(NOTE [ Device path ] in device/runner.py); the writer writes answers and acknowledges their jobs
 (results.py), so that a slow Redis never stalls the main loop's batching. None of them
 touches the main loop's state: they talk to it through its event queue (NOTE [ Worker
 threads ] in loop.py).
@@ -24,13 +24,13 @@ from redbatch.common.redis_io import (
     RedisUnavailable,
     error_code,
 )
-from redbatch.gpu_worker.capacity import Capacity
+from redbatch.gpu_worker.batching.capacity import Capacity
+from redbatch.gpu_worker.device.runner import DeviceFailure, ModelRunner
 from redbatch.gpu_worker.events import DeviceLost, Event, Idle, Launch, Ran, Read, Written
-from redbatch.gpu_worker.intake import Intake, Job
 from redbatch.gpu_worker.metrics import Health, WorkerMetrics
-from redbatch.gpu_worker.model import DeviceFailure, ModelRunner
-from redbatch.gpu_worker.reclaim import Reclaimer
-from redbatch.gpu_worker.results import Answer, ResultWriter
+from redbatch.gpu_worker.streams.intake import Intake, Job
+from redbatch.gpu_worker.streams.reclaim import Reclaimer
+from redbatch.gpu_worker.streams.results import Answer, ResultWriter
 
 logger = logging.getLogger(__name__)
 

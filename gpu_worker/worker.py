@@ -24,12 +24,13 @@ from typing import Any
 
 from redbatch.common.config import Settings, redact_url
 from redbatch.common.redis_io import connect
+from redbatch.gpu_worker.device.prepare import memory_in_use
 from redbatch.gpu_worker.events import Channels, Control
-from redbatch.gpu_worker.heartbeat import Heartbeat
 from redbatch.gpu_worker.loop import MAX_IDLE_WAIT_S, MainLoop
 from redbatch.gpu_worker.metrics import Health, MetricsServer, WorkerMetrics
-from redbatch.gpu_worker.sampler import Sampler
 from redbatch.gpu_worker.startup import Parts, Served, build
+from redbatch.gpu_worker.streams.heartbeat import Heartbeat
+from redbatch.gpu_worker.streams.sampler import Sampler
 from redbatch.gpu_worker.threads import Reader, collect_batches, submit_batches, write_answers
 from redbatch.preproc_worker.shm import SlotAllocator
 
@@ -118,7 +119,7 @@ class Worker:
             self.control.health
         reader = Reader(m.intake, m.capacity, m.metrics, health, ch.events.put, m.index)
         sampler = Sampler(connect(s.redis), m.intake.keys, m.metrics, health,
-                          str(m.runner.device))
+                          str(m.runner.device), gpu_memory=memory_in_use)
         return [("intake" + suffix, reader.run,
                  (stop, s.batch.max_inflight, s.block_ms, MAX_IDLE_WAIT_S)),
                 ("writer" + suffix, write_answers, (m.writer, m.outgoing, ch.events.put,

@@ -44,7 +44,7 @@ class Handler(Protocol):
     texts: its longest text's tokens, and one row a text); None says every input costs the
     same. A handler whose inputs have costs says the largest in
     ``max_cost``: the worker then groups them in length buckets under a token budget
-    (gpu_worker/shaping.py, ``--max-batch-tokens``).
+    (gpu_worker/batching/shaping.py, ``--max-batch-tokens``).
     ``load`` returns a callable from a batch tensor to an output tensor.
     ``postprocess`` turns the batch output into one msgpack-able value per request.
 

@@ -29,7 +29,7 @@ NOTE [ Text slots ]
   batch's longest text (not at MAX_TOKENS), and hands each row's kind back beside its
   vector for ``postprocess`` to answer ``embedding`` or ``embeddings``. ``preprocess``
   returns (the longest text's tokens, the rows filled): the batcher counts a list as that
-  many rows of its token budget (gpu_worker/shaping.py).
+  many rows of its token budget (gpu_worker/batching/shaping.py).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class AllMiniLmL6V2:
     input_shape: tuple[int, ...] = (MAX_TEXTS, 2, MAX_TOKENS)
     input_dtype = "int16"
     #: The longest input's cost (preprocess returns each one's tokens): the worker groups
-    #: texts by length under a token budget (gpu_worker/shaping.py).
+    #: texts by length under a token budget (gpu_worker/batching/shaping.py).
     max_cost = MAX_TOKENS
     #: Calibration measures fixed-shape inputs only; a text batch's cost depends on its
     #: longest text, so this model serves without a profile (gpu_worker/tuning/apply.py).

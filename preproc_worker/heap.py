@@ -1,6 +1,6 @@
 """A pool process gives its heap back after an input that made it much bigger.
 
-Pool processes inherit the worker's glibc malloc settings (gpu_worker/malloc_tuning.py),
+Pool processes inherit the worker's glibc malloc settings (gpu_worker/device/malloc_tuning.py),
 which never return freed memory to the OS: right for the model threads, wrong for a
 process that just decoded one huge image. :class:`HeapTrim` trims only then.
 """

@@ -268,9 +268,9 @@ def test_bulk_scorer_without_room_writes_timeouts_and_finishes(
     """No worker and a bound of 3: three jobs are queued (and time out unanswered), the
     other inputs are refused again and again and are written as timeouts too: the run
     ends, with one record per input and never more than the bound queued."""
-    from redbatch.producer.bulk import BulkScorer, ScoreSettings
-    from redbatch.producer.inputs import Item
-    from redbatch.producer.output import OutputWriter
+    from redbatch.scoring.bulk import BulkScorer, ScoreSettings
+    from redbatch.scoring.inputs import Item
+    from redbatch.scoring.output import OutputWriter
 
     paths = sorted(_tiny_jpegs(tmp_path / "photos", 10))
     out = tmp_path / "out.jsonl"

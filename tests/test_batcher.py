@@ -7,8 +7,8 @@ import random
 from dataclasses import dataclass
 
 import pytest
-from redbatch.gpu_worker.batcher import Batcher, LanePolicy, LatencyEstimator
-from redbatch.gpu_worker.shaping import (
+from redbatch.gpu_worker.batching.batcher import Batcher, LanePolicy, LatencyEstimator
+from redbatch.gpu_worker.batching.shaping import (
     ShapedBatcher,
     ShapePolicy,
     TokenLatencyEstimator,

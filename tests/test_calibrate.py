@@ -153,7 +153,7 @@ def test_a_compiled_profile_is_served_from_a_package_built_once(
     """A profile choosing channels_last+compile: the first worker builds the AOTInductor
     package beside the profile (one graph for batch sizes 1-2, no padding), the second
     loads it instead of compiling, and both answer the photos as the model does."""
-    from redbatch.gpu_worker.packaged import packaged
+    from redbatch.gpu_worker.device.packaged import packaged
 
     if not packaged(Variant(True, None, True), torch.device("cpu")):
         pytest.skip("this torch makes no AOTInductor packages")

@@ -103,8 +103,8 @@ def test_submit_prints_one_json_line_per_file(redis_url: str, start_worker: Work
     assert [Path(line["path"]).name for line in lines] == ["cat.jpg", "broken.jpg"]
     assert lines[0]["status"] == "ok" and lines[0]["output"]["label"] in CAT_LABELS
     assert lines[1]["status"] == "error" and lines[1]["error"]["code"] == "bad_image"
-    # One record schema with `redbatch score` (producer/output.py record).
-    from redbatch.producer.output import record
+    # One record schema with `redbatch score` (scoring/output.py record).
+    from redbatch.scoring.output import record
     assert all(set(line) == set(record("", "", line["status"], error=("x", "y"))
                                 if line["status"] == "error" else record("", "", "ok"))
                for line in lines), lines

@@ -30,7 +30,7 @@ from redbatch.common.protocol import (
     ReplyList,
 )
 from redbatch.common.redis_io import connect, connect_async, is_cluster
-from redbatch.gpu_worker.transaction import Commands
+from redbatch.gpu_worker.streams.transaction import Commands
 from redbatch.producer.core import _admit
 from redis.crc import key_slot
 from spawned_workers import spawned_workers

@@ -21,7 +21,7 @@ from redbatch.cli.local_stack import count_consumers
 from redbatch.common import protocol as p
 from redbatch.common.protocol import AnswerKeys, DeadLetters, JobEnvelope, Keys, Lane, ReplyList
 from redbatch.common.redis_io import refresh_slots
-from redbatch.gpu_worker.transaction import Commands
+from redbatch.gpu_worker.streams.transaction import Commands
 from redbatch.producer import core
 from redbatch.producer.client import Client, DuplicateRequestId, QueueFull
 from redbatch.producer.core import _admit

@@ -3,11 +3,21 @@
 Drawn from the code with ast, so a new back-arrow fails here the day it is written:
 
     cli             the top floor: may import every package
+    scoring         common, producer (the bulk program is a user of the client)
     producer        common
     gpu_worker      common, handlers, preproc_worker
     preproc_worker  common, handlers
     handlers        common
     common          nothing else
+
+Inside gpu_worker/ the rooms go by concern, and the floor on top of them (loop, startup,
+worker, threads, events, outbox) may use every room:
+
+    streams/        Redis I/O; may use metrics
+    batching/       pure policy; nothing else of the worker (no redis, no torch)
+    device/         torch; only the profile's records from tuning/ (Variant)
+    tuning/         calibration; may use device/
+    metrics.py      a leaf every room may use
 """
 
 from __future__ import annotations
@@ -18,19 +28,41 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ALLOWED = {
-    "cli": {"common", "producer", "handlers", "preproc_worker", "gpu_worker"},
+    "cli": {"common", "producer", "scoring", "handlers", "preproc_worker", "gpu_worker"},
+    "scoring": {"common", "producer"},
     "producer": {"common"},
     "gpu_worker": {"common", "handlers", "preproc_worker"},
     "preproc_worker": {"common", "handlers"},
     "handlers": {"common"},
     "common": set(),
 }
+#: What each room of gpu_worker/ may import of the worker (its own modules aside): rooms, or
+#: single modules by their dotted name under gpu_worker.
+ROOMS = {
+    "streams": {"metrics"},
+    "batching": set(),
+    "device": {"tuning.profile"},
+    "tuning": {"device", "tuning"},
+}
+#: Third-party imports a room must never make.
+FORBIDDEN = {"batching": {"redis", "torch"}, "device": {"redis"}, "streams": {"torch"}}
 #: Past this many lines a module says in its docstring why it is not split.
 LONG_MODULE_LINES = 400
 
 
 def modules(package: str) -> Iterator[Path]:
     yield from sorted((ROOT / package).rglob("*.py"))
+
+
+def imported_names(path: Path) -> Iterator[str]:
+    """Every module name a module imports anywhere (inside functions too)."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+            if node.module.startswith("redbatch."):  # from redbatch.x import module
+                yield from (f"{node.module}.{a.name}" for a in node.names)
 
 
 def imported_packages(path: Path) -> set[str]:
@@ -82,3 +114,31 @@ def test_long_modules_say_why() -> None:
                 unexplained.append(f"{path.relative_to(ROOT)}: {lines} lines")
     assert not unexplained, ("say in the docstring why it is this long, or split it",
                              unexplained)
+
+
+def worker_imports(path: Path) -> set[str]:
+    """The gpu_worker modules a module imports, as dotted names under gpu_worker."""
+    prefix = "redbatch.gpu_worker."
+    return {name[len(prefix):] for name in imported_names(path) if name.startswith(prefix)
+            and (ROOT / "gpu_worker" / (name[len(prefix):].replace(".", "/") + ".py")).exists()}
+
+
+def test_every_room_of_the_worker_is_known() -> None:
+    rooms = {p.parent.name for p in (ROOT / "gpu_worker").glob("*/__init__.py")}
+    assert rooms == set(ROOMS), "a new room needs its row in ROOMS (and this docstring)"
+
+
+def test_the_rooms_import_only_what_their_concern_allows() -> None:
+    wrong = []
+    for room, allowed in ROOMS.items():
+        for path in modules(f"gpu_worker/{room}"):
+            for name in worker_imports(path):
+                if name.split(".")[0] not in allowed | {room} and name not in allowed:
+                    wrong.append(f"{path.relative_to(ROOT)} imports gpu_worker.{name}")
+            third = {n.split(".")[0] for n in imported_names(path)} & FORBIDDEN.get(room, set())
+            wrong += [f"{path.relative_to(ROOT)} imports {n}" for n in sorted(third)]
+    assert not wrong, wrong
+
+
+def test_the_metrics_leaf_imports_no_room() -> None:
+    assert worker_imports(ROOT / "gpu_worker" / "metrics.py") == set()

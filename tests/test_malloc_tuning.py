@@ -13,7 +13,7 @@ import zlib
 import psutil
 import pytest
 from conftest import SAMPLES, WorkerFactory
-from redbatch.gpu_worker import malloc_tuning
+from redbatch.gpu_worker.device import malloc_tuning
 from redbatch.producer.client import Client
 
 # Batch 16 of the default model in a thread that is not the main one, as the worker's model

@@ -15,7 +15,7 @@ from conftest import SAMPLES, WorkerFactory
 from prometheus_client.parser import text_string_to_metric_families
 from redbatch.common.protocol import ErrorCode, Keys, Lane
 from redbatch.gpu_worker.metrics import Health, MetricsServer, WorkerMetrics
-from redbatch.gpu_worker.sampler import group_state
+from redbatch.gpu_worker.streams.sampler import group_state
 from redbatch.producer.client import Client
 
 PHOTOS = [(SAMPLES / name).read_bytes() for name in ("cat.jpg", "coffee.jpg", "rocket.jpg")]

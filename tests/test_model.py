@@ -13,8 +13,8 @@ import torch
 from conftest import CAT_LABELS, SAMPLES
 from PIL import Image
 from redbatch.common.config import LimitSettings
-from redbatch.gpu_worker.device import next_batch_limit, resolve_device
-from redbatch.gpu_worker.model import ModelRunner
+from redbatch.gpu_worker.device.prepare import next_batch_limit, resolve_device
+from redbatch.gpu_worker.device.runner import ModelRunner
 from redbatch.gpu_worker.tuning.profile import Variant
 from redbatch.gpu_worker.tuning.variants import cxx_compiler_found
 from redbatch.handlers.base import Handler

@@ -21,7 +21,7 @@ import torch
 from conftest import CAT_LABELS, SAMPLES, WorkerFactory, settings_free_env
 from redbatch.common.config import LimitSettings, ModelSettings, PoolSettings, Settings
 from redbatch.common.protocol import Keys
-from redbatch.gpu_worker.scheduler import CREDIT_S, ModelTurns
+from redbatch.gpu_worker.batching.scheduler import CREDIT_S, ModelTurns
 from redbatch.handlers.text import MAX_TEXTS, MAX_TOKENS
 from redbatch.preproc_worker.pool import PreprocPool
 from redbatch.preproc_worker.shm import SlotArray

@@ -1,4 +1,4 @@
-"""Compiled packages (gpu_worker/packaged.py): built once with AOTInductor, loaded in a
+"""Compiled packages (gpu_worker/device/packaged.py): built once with AOTInductor, loaded in a
 moment, the same answers as the model at every batch size, and the GIL free while it runs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from redbatch.gpu_worker.packaged import (
+from redbatch.gpu_worker.device.packaged import (
     load_or_build,
     package_or_none,
     package_path,

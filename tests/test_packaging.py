@@ -17,7 +17,7 @@ from conftest import SAMPLES, settings_free_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = ("import importlib.util, redbatch, redbatch.common.protocol, redbatch.producer.client, "
-         "redbatch.gpu_worker.batcher, redbatch.handlers.decode; "
+         "redbatch.gpu_worker.batching.batcher, redbatch.handlers.decode; "
          "print(redbatch.__file__); "
          "print([m for m in ('common', 'producer', 'gpu_worker', 'preproc_worker') "
          "if importlib.util.find_spec(m)])")

@@ -28,16 +28,16 @@ from redbatch.cli.local_stack import stop_worker
 from redbatch.cli.redis_server import RedisServer
 from redbatch.common import protocol as p
 from redbatch.common.protocol import DeadLetters, ErrorCode, JobEnvelope, Keys, Lane, ResultEnvelope
-from redbatch.gpu_worker.intake import Intake
 from redbatch.gpu_worker.metrics import Health, WorkerMetrics
-from redbatch.gpu_worker.partitions import BULK_RECHECK_S, read_rounds
-from redbatch.gpu_worker.sampler import Sampler
+from redbatch.gpu_worker.streams.intake import Intake
+from redbatch.gpu_worker.streams.partitions import BULK_RECHECK_S, read_rounds
+from redbatch.gpu_worker.streams.sampler import Sampler
 from redbatch.producer import core
-from redbatch.producer.bulk import BulkScorer, ScoreSettings
 from redbatch.producer.client import Client, QueueFull
 from redbatch.producer.core import _admit
-from redbatch.producer.inputs import Item
-from redbatch.producer.output import OutputWriter
+from redbatch.scoring.bulk import BulkScorer, ScoreSettings
+from redbatch.scoring.inputs import Item
+from redbatch.scoring.output import OutputWriter
 from spawned_workers import spawned_workers
 
 

@@ -20,8 +20,8 @@ from redbatch.cli.redis_server import RedisServer, free_port
 from redbatch.common.protocol import GROUP, ErrorCode, Keys, Lane, dead_letter
 from redbatch.common.redis_io import connect
 from redbatch.gpu_worker.metrics import WorkerMetrics
-from redbatch.gpu_worker.results import Answer, ResultWriter
-from redbatch.gpu_worker.transaction import ReplicaWait
+from redbatch.gpu_worker.streams.results import Answer, ResultWriter
+from redbatch.gpu_worker.streams.transaction import ReplicaWait
 from spawned_workers import spawned_workers
 
 KEYS = Keys("null")

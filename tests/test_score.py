@@ -568,7 +568,7 @@ def test_the_last_progress_line_is_said_once_off_a_terminal_and_the_summary_coun
 ) -> None:
     import io
 
-    from redbatch.producer.progress import Progress, RunStats
+    from redbatch.scoring.progress import Progress, RunStats
 
     stats = RunStats()
     stats.add("ok", 12.0, 4)

@@ -23,7 +23,7 @@ from redbatch.cli.fleet_view import HOME, LANE_COLUMNS, WORKER_COLUMNS, render
 from redbatch.cli.local_stack import stop_worker
 from redbatch.common import protocol as p
 from redbatch.common.protocol import Keys, Lane, RecentResult, WorkerRecord
-from redbatch.gpu_worker.heartbeat import Heartbeat
+from redbatch.gpu_worker.streams.heartbeat import Heartbeat
 from redbatch.producer.client import Client
 
 PHOTOS = [path.read_bytes() for path in sorted(SAMPLES.glob("*.jpg"))]

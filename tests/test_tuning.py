@@ -17,7 +17,7 @@ from redbatch.common.config import (
     Settings,
     TuneSettings,
 )
-from redbatch.gpu_worker.device import (
+from redbatch.gpu_worker.device.prepare import (
     choose_pool_processes,
     choose_torch_threads,
     cpu_lanes,

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 from redbatch.common.config import LimitSettings
-from redbatch.gpu_worker.device import precision, prepare_model
+from redbatch.gpu_worker.device.prepare import precision, prepare_model
 from redbatch.gpu_worker.tuning.variants import parse_variant
 from redbatch.handlers import EfficientNetLite0
 

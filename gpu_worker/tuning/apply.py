@@ -47,7 +47,7 @@ class Tuned:
     device: torch.device | None = None
     #: The loaded model (calibration may have changed its memory format).
     model: Callable[[torch.Tensor], torch.Tensor] | None = None
-    #: CPU: batches run at once (gpu_worker/model.py cpu_lanes).
+    #: CPU: batches run at once (gpu_worker/device/runner.py cpu_lanes).
     lanes: int = 1
     profile: Profile | None = None
     #: Sizes batches are padded up to (see Batcher.run_size).
@@ -58,7 +58,7 @@ class Tuned:
     latency_s: dict[int, float] = field(default_factory=dict)
     #: Lines for the start-up log.
     notes: list[str] = field(default_factory=list)
-    #: The compiled package the model is served from (gpu_worker/packaged.py), or None.
+    #: The compiled package the model is served from (gpu_worker/device/packaged.py), or None.
     package: Path | None = None
 
     @property
@@ -166,7 +166,7 @@ def tune(settings: Settings, handler: Handler) -> Tuned:
     Raises ValueError for a device that does not exist.
     """
     import torch
-    from redbatch.gpu_worker.device import choose_torch_threads, cpu_lanes, resolve_device
+    from redbatch.gpu_worker.device.prepare import choose_torch_threads, cpu_lanes, resolve_device
     from redbatch.gpu_worker.tuning.variants import device_info, fingerprint
 
     device = resolve_device(settings.model.device)
@@ -190,9 +190,9 @@ def tune(settings: Settings, handler: Handler) -> Tuned:
 
 def _use_package(tuned: Tuned, device: torch.device, profile_file: Path, fp: str) -> None:
     """A compiled variant in full precision is served from an AOTInductor package kept
-    beside the profile (NOTE [ Compiled packages ] in gpu_worker/packaged.py): one graph
+    beside the profile (NOTE [ Compiled packages ] in gpu_worker/device/packaged.py): one graph
     for every batch size, so batches are not padded to compiled sizes."""
-    from redbatch.gpu_worker.packaged import package_path, packaged
+    from redbatch.gpu_worker.device.packaged import package_path, packaged
 
     if not packaged(tuned.variant, device):
         return
@@ -203,9 +203,9 @@ def _use_package(tuned: Tuned, device: torch.device, profile_file: Path, fp: str
 
 def sized_pool(settings: Settings, device_type: str, lanes: int,
                torch_threads: int) -> tuple[Settings, str]:
-    """``settings`` with the pool's processes resolved (0: auto, gpu_worker/device.py
+    """``settings`` with the pool's processes resolved (0: auto, gpu_worker/device/prepare.py
     ``choose_pool_processes``), and a line for the start-up log saying how. Pure."""
-    from redbatch.gpu_worker.device import choose_pool_processes, pool_rule
+    from redbatch.gpu_worker.device.prepare import choose_pool_processes, pool_rule
 
     asked = settings.pool.processes
     n = choose_pool_processes(asked, device_type, lanes, torch_threads)

@@ -24,7 +24,7 @@ from redbatch.common.config import (
     default_of,
     model_name_from_spec,
 )
-from redbatch.gpu_worker.device import resolve_device
+from redbatch.gpu_worker.device.prepare import resolve_device
 from redbatch.gpu_worker.tuning.choosing import choose
 from redbatch.gpu_worker.tuning.fidelity import check_fidelity
 from redbatch.gpu_worker.tuning.profile import (
@@ -87,7 +87,7 @@ class CalibrationSettings:
     memory_watermark: float = default_of(TuneSettings, "memory_watermark")
     #: Marks a worker's own quick calibration in the profile.
     quick: bool = False
-    #: CPU: batches run at once, as the worker runs them (model.py cpu_lanes).
+    #: CPU: batches run at once, as the worker runs them (device/prepare.py cpu_lanes).
     lanes: int = 1
     #: Real samples the variants' answers are compared on (0: none, random inputs only).
     fidelity_samples: int = FIDELITY_SAMPLES

@@ -43,7 +43,7 @@ LOSSY_FLOOR = 0.9
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """One way of running the model on the device (see gpu_worker/model.py DevicePath)."""
+    """One way of running the model on the device (see gpu_worker/device/runner.py DevicePath)."""
 
     channels_last: bool = False
     #: "float16", "bfloat16" or None (full precision).
@@ -54,7 +54,7 @@ class Variant:
     def pads_batches(self, device_kind: str) -> bool:
         """Whether every batch is padded to a size measured: compiled with torch.compile,
         one graph per size. On CPU a full-precision compiled variant is served from an
-        AOTInductor package with a dynamic batch instead (gpu_worker/packaged.py)."""
+        AOTInductor package with a dynamic batch instead (gpu_worker/device/packaged.py)."""
         return self.compile and not (device_kind == "cpu" and self.autocast is None)
 
     @property

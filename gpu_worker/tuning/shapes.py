@@ -1,6 +1,6 @@
 """Run time by (rows, padded length), measured at start for a model whose inputs vary in
 length (the text model), so the length-bucketed batcher's deadline rule has real figures
-from the first request on (gpu_worker/shaping.py ``TokenLatencyEstimator``).
+from the first request on (gpu_worker/batching/shaping.py ``TokenLatencyEstimator``).
 
 A calibration profile holds times by batch size, for fixed-shape inputs. A text batch's
 time depends on its rows and its longest text, so the worker times a small grid of shapes
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import numpy as np
-from redbatch.gpu_worker.model import ModelRunner
+from redbatch.gpu_worker.device.runner import ModelRunner
 from redbatch.handlers.base import Handler, max_cost_of
 
 #: Lengths timed, tokens (each capped at the model's longest input), and rows as shares of

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from redbatch.common.config import Budget
-from redbatch.gpu_worker.model import ModelRunner
+from redbatch.gpu_worker.device.runner import ModelRunner
 from redbatch.gpu_worker.tuning.profile import Measured, Row, Variant
 from redbatch.gpu_worker.tuning.variants import Model
 from redbatch.handlers.base import Handler

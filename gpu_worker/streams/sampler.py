@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import redis
 from redbatch.common.protocol import GROUP, DeadLetters, Keys, Lane
 from redbatch.common.redis_io import REDIS_ERRORS
 from redbatch.gpu_worker.metrics import Health, WorkerMetrics
-from redbatch.gpu_worker.partitions import PartitionSet
+from redbatch.gpu_worker.streams.partitions import PartitionSet
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,8 @@ class Sampler:
     the model's partitions), and GPU memory."""
 
     def __init__(self, r: redis.Redis, keys: Keys, metrics: WorkerMetrics, health: Health,
-                 device: str, interval_s: float = SAMPLE_INTERVAL_S) -> None:
+                 device: str, interval_s: float = SAMPLE_INTERVAL_S,
+                 gpu_memory: Callable[[str], tuple[int, int]] | None = None) -> None:
         self._redis = r
         self.keys = keys
         self.partitions = PartitionSet(r, keys)
@@ -39,6 +41,8 @@ class Sampler:
         self.health = health
         self.device = device
         self.interval_s = interval_s
+        #: (allocated, reserved) bytes of a CUDA device (device/prepare.py memory_in_use).
+        self._gpu_memory = gpu_memory
 
     def run(self, stop: threading.Event) -> None:
         """Sample now, then every ``interval_s`` until ``stop`` is set."""
@@ -56,8 +60,8 @@ class Sampler:
             logger.debug("sampling Redis failed: %s", e)
         except Exception:
             logger.exception("sampling Redis failed")
-        if self.device.startswith("cuda"):
-            self._sample_gpu()
+        if self._gpu_memory is not None and self.device.startswith("cuda"):
+            self._sample_gpu(self._gpu_memory)
 
     def _sample_redis(self) -> None:
         self.partitions.refresh()
@@ -80,12 +84,9 @@ class Sampler:
         if dead:
             self.metrics.dead_letters.set(sum(int(n) for n in dead))
 
-    def _sample_gpu(self) -> None:
-        import torch
-
+    def _sample_gpu(self, memory: Callable[[str], tuple[int, int]]) -> None:
         try:
-            self.metrics.gpu_memory(self.device, torch.cuda.memory_allocated(self.device),
-                                    torch.cuda.memory_reserved(self.device))
+            self.metrics.gpu_memory(self.device, *memory(self.device))
         except Exception:  # a broken device is the model thread's to report, not ours
             logger.debug("sampling GPU memory failed", exc_info=True)
 

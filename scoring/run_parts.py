@@ -7,7 +7,7 @@ from __future__ import annotations
 import redis
 from redbatch.common.protocol import AnswerKeys, Keys, OwnerKeys, ReplyList
 from redbatch.common.redis_io import is_cluster
-from redbatch.producer.pacing import MIN_WAIT_S
+from redbatch.scoring.pacing import MIN_WAIT_S
 
 
 class Part:

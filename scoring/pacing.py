@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from redbatch.common.redis_io import Backoff
-from redbatch.producer.inputs import Item
+from redbatch.scoring.inputs import Item
 
 #: Back-off after a queue_full refusal: first delay and cap, seconds (see the NOTE).
 BACKOFF_START_S = 0.05

@@ -33,9 +33,9 @@ from redbatch.common.protocol import (
     valid_request_id,
 )
 from redbatch.common.redis_io import StreamEntry
-from redbatch.gpu_worker.partitions import PartitionSet, read_rounds
-from redbatch.gpu_worker.reclaim import Reclaimer
-from redbatch.gpu_worker.transaction import pipelined
+from redbatch.gpu_worker.streams.partitions import PartitionSet, read_rounds
+from redbatch.gpu_worker.streams.reclaim import Reclaimer
+from redbatch.gpu_worker.streams.transaction import pipelined
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 which device, how many CPU lanes and torch threads, autocast, channels_last and
 torch.compile, and how far device memory lets a batch grow.
 
-Heuristics and settings only; the runner that uses them is model.py.
+Heuristics and settings only; the runner that uses them is runner.py.
 """
 
 from __future__ import annotations
@@ -157,3 +157,8 @@ def total_memory(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+def memory_in_use(device: str) -> tuple[int, int]:
+    """(allocated, reserved) bytes of a CUDA device, for the sampler's gauges."""
+    return (int(torch.cuda.memory_allocated(device)), int(torch.cuda.memory_reserved(device)))

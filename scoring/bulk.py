@@ -52,11 +52,11 @@ from redbatch.common.protocol import JobEnvelope, Lane, ResultEnvelope
 from redbatch.common.redis_io import REDIS_ERRORS
 from redbatch.producer.client import Client, DuplicateRequestId, QueueFull
 from redbatch.producer.errors import RESULT_TIMEOUT
-from redbatch.producer.inputs import Item
-from redbatch.producer.output import DoneIndex, OutputWriter, record, result_record
-from redbatch.producer.pacing import Waiting, WaitingLine
-from redbatch.producer.progress import Progress, RunStats
-from redbatch.producer.run_parts import Part, RunParts
+from redbatch.scoring.inputs import Item
+from redbatch.scoring.output import DoneIndex, OutputWriter, record, result_record
+from redbatch.scoring.pacing import Waiting, WaitingLine
+from redbatch.scoring.progress import Progress, RunStats
+from redbatch.scoring.run_parts import Part, RunParts
 
 #: Jobs sent per pipelined round trip while filling the window.
 SUBMIT_CHUNK = 64

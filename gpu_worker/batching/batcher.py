@@ -20,7 +20,7 @@ The expected run times come from a LatencyEstimator seeded with the
 calibration profile's latency per batch size and updated from each batch run.
 
 Variable-length requests (text) batch by length buckets under a token budget:
-``ShapedBatcher`` in gpu_worker/shaping.py, a Batcher with the same calls.
+``ShapedBatcher`` in gpu_worker/batching/shaping.py, a Batcher with the same calls.
 
 Times are seconds on one monotonic clock chosen by the caller.
 """

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from redbatch.common.config import TuneSettings, default_of
 from redbatch.common.protocol import ErrorCode
-from redbatch.gpu_worker.device import (
+from redbatch.gpu_worker.device.prepare import (
     AUTOCAST_DTYPES,
     next_batch_limit,
     precision,

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from typing import Generic
 
 from redbatch.common.config import DEFAULT_MAX_BATCH_TOKENS
-from redbatch.gpu_worker.batcher import (
+from redbatch.gpu_worker.batching.batcher import (
     Batcher,
     LanePolicy,
     RunTimeModel,

@@ -14,8 +14,8 @@ from redbatch.common.config import DEFAULT_MAX_PAYLOAD_BYTES
 from redbatch.common.protocol import Lane, ResultEnvelope, payloads
 from redbatch.producer.client import Client, QueueFull, ResultTimeout
 from redbatch.producer.errors import RESULT_TIMEOUT
-from redbatch.producer.output import record, result_record
-from redbatch.producer.watch import WorkerWatch
+from redbatch.scoring.output import record, result_record
+from redbatch.scoring.watch import WorkerWatch
 
 #: Files submitted per pipelined round trip.
 CHUNK = 256

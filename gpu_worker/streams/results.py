@@ -73,8 +73,8 @@ from redbatch.common.protocol import (
     stream_partition,
 )
 from redbatch.common.redis_io import REDIS_ERRORS, RedisRefused, RedisUnavailable, error_code
-from redbatch.gpu_worker.intake import BadEntry, Job
-from redbatch.gpu_worker.transaction import (
+from redbatch.gpu_worker.streams.intake import BadEntry, Job
+from redbatch.gpu_worker.streams.transaction import (
     Commands,
     Replication,
     ReplicaWait,
@@ -90,7 +90,8 @@ RECORDS_KEPT = 10_000
 
 
 class RunOutcome(Protocol):
-    """What the model thread says of one job of a batch (gpu_worker/model.py ``Outcome``)."""
+    """What the model thread says of one job of a batch (gpu_worker/device/runner.py
+    ``Outcome``)."""
 
     @property
     def output(self) -> Any: ...
