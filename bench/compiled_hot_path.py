@@ -1,7 +1,7 @@
 """What compiling the worker's per-job Python with mypyc would save: a measured prototype.
 
     .venv/bin/python bench/compiled_hot_path.py [--rounds 7] [--groups 100] [--keep DIR]
-                                                [--modules redbatch/gpu_worker/batching/batcher.py ...]
+        [--modules redbatch/gpu_worker/batching/batcher.py ...]
 
 Issue 13 asks what would bring the worker's per-job Python cost down if Python alone cannot:
 this measures one candidate, compiling the hot-path modules to C with mypyc, on the product's
