@@ -51,6 +51,7 @@ def _timed_out(wait: Callable[[], object]) -> float:
 
 
 @pytest.mark.parametrize("fault", ["killed", "stopped"])
+@pytest.mark.serial
 def test_the_wait_honours_its_timeout_when_redis_is_gone_or_hung(
         server: RedisServer, fault: str) -> None:
     """Killed: every call is refused at once (the old wait retried every 0.2 s forever).
@@ -68,6 +69,7 @@ def test_the_wait_honours_its_timeout_when_redis_is_gone_or_hung(
 
 
 @pytest.mark.parametrize("fault", ["killed", "stopped"])
+@pytest.mark.serial
 def test_the_async_wait_honours_its_timeout_when_redis_is_gone_or_hung(
         server: RedisServer, fault: str) -> None:
     async def run() -> float:
@@ -222,6 +224,7 @@ def test_many_waits_in_one_process_share_one_reply_list(
     assert calls.get("blpop", 0) <= calls.get("exec", 0) + 10, calls
 
 
+@pytest.mark.serial
 def test_as_completed_yields_results_in_the_order_they_finish(
         redis_url: str, r: redis.Redis, start_worker: WorkerFactory) -> None:
     with Client(redis_url, model=NULL) as client:
@@ -242,6 +245,7 @@ def test_as_completed_yields_results_in_the_order_they_finish(
 
 
 @pytest.mark.parametrize("fault", ["killed", "stopped"])
+@pytest.mark.serial
 def test_waits_on_the_reply_list_honour_their_timeout_when_redis_is_gone_or_hung(
         server: RedisServer, fault: str) -> None:
     client = Client(server.url, model=TEST_MODEL)
@@ -261,6 +265,7 @@ def test_waits_on_the_reply_list_honour_their_timeout_when_redis_is_gone_or_hung
 
 
 @pytest.mark.parametrize("fault", ["killed", "stopped"])
+@pytest.mark.serial
 def test_async_waits_on_the_reply_list_honour_their_timeout_when_redis_is_gone_or_hung(
         server: RedisServer, fault: str) -> None:
     async def run() -> tuple[float, float]:
@@ -331,6 +336,7 @@ def test_a_planted_result_key_raises_a_clear_error_on_the_reply_list_too(
     assert raised and "WRONGTYPE" in str(raised[0]), raised
 
 
+@pytest.mark.serial
 def test_an_id_lost_off_the_reply_list_is_found_by_the_sweep(
         redis_url: str, r: redis.Redis, start_worker: WorkerFactory) -> None:
     """As if a BLPOP's reply were cut off with the connection: the id is gone from the
@@ -339,11 +345,13 @@ def test_an_id_lost_off_the_reply_list_is_found_by_the_sweep(
     keys = Keys(NULL)
     stolen: list[object] = []
     got: list[ResultEnvelope] = []
-    with Client(redis_url, model=NULL) as client, redis.Redis.from_url(redis_url) as thief:
+    with Client(redis_url, model=NULL) as client, redis.Redis.from_url(
+            redis_url, client_name="thief") as thief:
         reply = keys.reply(client.name)
         taker = threading.Thread(target=lambda: stolen.append(thief.blpop([reply], timeout=60)))
         taker.start()
-        _until(lambda: r.info("clients")["blocked_clients"] == 1, 10, "the thief blocked")
+        _until(lambda: any(c["name"] == "thief" and "b" in c["flags"]
+                           for c in r.client_list()), 10, "the thief blocked")
         rid = client.submit(CAT, timeout_s=120)
         _until(lambda: r.info("clients")["blocked_clients"] == 2, 10, "the reader blocked")
         waiter = threading.Thread(target=lambda: got.append(client.result(rid, timeout_s=60)))

@@ -46,8 +46,8 @@ def test_real_photos_are_classified(redis_url: str, start_worker: WorkerFactory,
     assert pending(r, keys) == 0 and backlog(r, keys) == 0
 
 
-def test_thousand_jobs_from_eight_clients(redis_url: str, start_worker: WorkerFactory,
-                                          r: redis.Redis, keys: Keys) -> None:
+def test_two_hundred_jobs_from_eight_clients(redis_url: str, start_worker: WorkerFactory,
+                                             r: redis.Redis, keys: Keys) -> None:
     start_worker("--max-batch-size", "16", "--max-inflight", "64")
     names = list(PHOTOS)
 
@@ -55,7 +55,7 @@ def test_thousand_jobs_from_eight_clients(redis_url: str, start_worker: WorkerFa
         out: list[tuple[str, str, str, str, int]] = []
         with Client(redis_url) as client:
             sent = [(names[(i + j) % 2], client.submit(PHOTOS[names[(i + j) % 2]], timeout_s=300))
-                    for j in range(125)]
+                    for j in range(25)]
             for name, rid in sent:
                 result = client.result(rid, timeout_s=300)
                 out.append((name, rid, result.request_id, result.output["label"],
@@ -64,7 +64,7 @@ def test_thousand_jobs_from_eight_clients(redis_url: str, start_worker: WorkerFa
 
     with ThreadPoolExecutor(8) as pool:
         rows = [row for rows in pool.map(one_client, range(8)) for row in rows]
-    assert len(rows) == 1000 and len({rid for _, rid, *_ in rows}) == 1000
+    assert len(rows) == 200 and len({rid for _, rid, *_ in rows}) == 200
     assert all(rid == answered for _, rid, answered, _, _ in rows), "each id gets its own result"
     assert all(label in EXPECTED[name] for name, _, _, label, _ in rows)
     sizes = Counter(size for *_, size in rows)

@@ -94,6 +94,7 @@ def test_a_damaged_package_is_built_again(built: tuple[SmallNet, Path, str],
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.serial
 def test_the_gil_is_free_while_a_package_runs(built: tuple[SmallNet, Path, str]) -> None:
     """Python threads (the worker's intake, pump, writer) keep running beside the model:
     the call goes through ctypes, which releases the GIL. Measured as a counting thread's

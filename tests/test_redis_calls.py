@@ -18,11 +18,15 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import cast
 
+import pytest
 import redis
 from conftest import WorkerFactory
 from PIL import Image
 from redbatch.common.protocol import Keys, ResultEnvelope
 from redbatch.producer.client import Client
+
+#: These count Redis commands a job over a thousand jobs: they run alone (scripts/test.sh).
+pytestmark = pytest.mark.serial
 
 NULL = "null"
 N_JOBS = 1000

@@ -364,6 +364,7 @@ def test_a_malformed_jsonl_manifest_is_refused_naming_file_and_line(
 # ---------------------------------------------------------------------------- lanes
 
 
+@pytest.mark.serial
 def test_bulk_lane_is_not_throttled_by_the_intake(redis_url: str, start_worker: WorkerFactory,
                                                   tmp_path: Path) -> None:
     """With the worker's defaults and the default window, the bulk lane scores at least

@@ -112,6 +112,7 @@ def test_status_shows_a_live_worker_its_queues_and_results(
     assert_every_key_expires(r)
 
 
+@pytest.mark.serial
 def test_top_redraws_until_ctrl_c(redis_url: str, r: redis.Redis, keys: Keys) -> None:
     with Client(redis_url) as client:
         client.submit(PHOTOS[0], timeout_s=600)
