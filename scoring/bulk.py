@@ -35,6 +35,11 @@ NOTE [ Redis going away ]
   ids from the reply list, so the reply list alone can lose a finished job:
   every SWEEP_EVERY_S the scorer also looks up the result keys of jobs in
   flight for longer than that, and collects the ones that are there.
+  An outage is waited out for ``redis_wait_s`` at most, counted from the first
+  failed call since the last one that got through (a Redis unreachable from
+  the start counts from the start): then every input left (in flight, waiting,
+  not yet read) is written as a ``redis_unavailable`` error, so the run ends
+  with a record for each input and says so in its exit code.
 """
 
 from __future__ import annotations
@@ -47,9 +52,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import redis
 from redbatch.common.protocol import JobEnvelope, Lane, ResultEnvelope
-from redbatch.common.redis_io import REDIS_ERRORS
+from redbatch.common.redis_io import REDIS_ERRORS, RedisUnavailable
 from redbatch.producer.client import Client, DuplicateRequestId, QueueFull
 from redbatch.producer.errors import RESULT_TIMEOUT
 from redbatch.scoring.inputs import Item
@@ -66,6 +70,11 @@ COLLECT_CHUNK = 256
 WAIT_SLICE_S = 0.5
 #: How often, and past what age, jobs in flight are looked up by their result key, s.
 SWEEP_EVERY_S = 5.0
+#: The code of an input given up on because Redis stayed out of reach (see the NOTE).
+REDIS_UNAVAILABLE = "redis_unavailable"
+#: What a Redis out of reach raises: redis-py's errors (the scorer's own calls) and the
+#: client's (``RedisUnavailable`` subclasses).
+AWAY = (*REDIS_ERRORS, RedisUnavailable)
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +89,12 @@ class ScoreSettings:
     #: After a stop signal, how long jobs in flight are still collected, seconds.
     grace_s: float = 10.0
     max_payload_bytes: int = 20 * 1024 * 1024
+    #: How long Redis may stay out of reach before the inputs left are written as
+    #: ``redis_unavailable`` errors, seconds (see NOTE [ Redis going away ]).
+    redis_wait_s: float = 60.0
+    #: The share of inputs (0-1) that may end in an error record with the run still a
+    #: success (exit code 0), as Ray Data's ``max_errored_blocks`` but as a share.
+    max_error_rate: float = 0.1
 
 
 @dataclass(slots=True)
@@ -113,6 +128,10 @@ class BulkScorer:
         self._unsent: tuple[list[JobEnvelope], dict[str, Waiting]] | None = None
         self._next_sweep = time.monotonic() + SWEEP_EVERY_S
         self._exhausted = False
+        #: Since when Redis is out of reach (monotonic), and why; None while it answers.
+        #: A run starts as if it were, so a Redis unreachable from the start is bounded too.
+        self._away_since: float | None = time.monotonic()
+        self._away_why = "no call got through yet"
 
     def stop(self) -> None:
         """First call: stop submitting and drain; second call: stop draining too."""
@@ -123,7 +142,8 @@ class BulkScorer:
     # ------------------------------------------------------------------ main loop
 
     def run(self, items: Iterator[Item]) -> bool:
-        """Score every item; True when all were written, False when stopped early."""
+        """Score every item; True when all were written (as results, or as errors once
+        Redis stayed away past ``redis_wait_s``), False when stopped early."""
         pending = self._unseen(items)
         drain_until: float | None = None
         while not self.aborting.is_set():
@@ -131,8 +151,7 @@ class BulkScorer:
                 self._fill(pending)
             elif drain_until is None:
                 drain_until = time.monotonic() + self.settings.grace_s
-            if not self._inflight and (self.stopping.is_set() or
-                                       (self._exhausted and not self._line)):
+            if not self._inflight and (self.stopping.is_set() or self._all_sent()):
                 break
             if drain_until is not None and time.monotonic() > drain_until:
                 break
@@ -140,14 +159,52 @@ class BulkScorer:
             self._sweep()
             self._expire()
             self._tick()
+            if self._gone_too_long():
+                self._give_up(pending)
+                break
         self.writer.flush()
         if self.progress:
             self.progress.finish()
         try:
             self._parts.delete()
-        except (redis.ConnectionError, redis.TimeoutError):
+        except AWAY:
             pass  # the lists expire on their own
-        return self._exhausted and not self._inflight and not self._line
+        return self._all_sent() and not self._inflight
+
+    def _all_sent(self) -> bool:
+        """Every item was read and submitted: none waits for room or for Redis."""
+        return self._exhausted and not self._line and self._unsent is None
+
+    # ------------------------------------------------------------------ outages
+
+    def _away(self, e: BaseException) -> None:
+        """A call failed with Redis out of reach (see NOTE [ Redis going away ])."""
+        if self._away_since is None:
+            self._away_since = time.monotonic()
+        self._away_why = str(e) or type(e).__name__
+
+    def _back(self) -> None:
+        """A call got through: an outage, if any, is over."""
+        self._away_since = None
+
+    def _gone_too_long(self) -> bool:
+        return self._away_since is not None and \
+            time.monotonic() - self._away_since > self.settings.redis_wait_s
+
+    def _give_up(self, pending: Iterator[Item]) -> None:
+        """Write every input left as ``redis_unavailable``: in flight, waiting, unread."""
+        message = (f"Redis stayed out of reach for over {self.settings.redis_wait_s:g}s "
+                   f"({self._away_why})")
+        logger.error("%s: every input left is written as %s", message, REDIS_UNAVAILABLE)
+        left: list[Item] = [f.item for f in self._inflight.values()]
+        self._inflight.clear()
+        if self._unsent is not None:
+            left += [w.item for w in self._unsent[1].values()]
+            self._unsent = None
+        left += [w.item for w in self._line.take(len(self._line))]
+        for item in itertools.chain(left, pending):
+            self._write_error(item, REDIS_UNAVAILABLE, message)
+        self._exhausted = True
 
     def _unseen(self, items: Iterator[Item]) -> Iterator[Item]:
         for item in items:
@@ -192,9 +249,11 @@ class BulkScorer:
         """How many of ``room`` jobs fit the lane's bound now; 0 means back off."""
         try:
             free = self.client.queue_state(self.settings.lane).room
-        except REDIS_ERRORS:
+        except AWAY as e:
+            self._away(e)
             self._line.clock.failed(time.monotonic())
             return 0
+        self._back()
         if free is None:
             self._line.bounded = False  # the bound was removed
             return room
@@ -271,12 +330,15 @@ class BulkScorer:
         except DuplicateRequestId as e:
             # Only after a broken connection: these were queued by the lost submission.
             admitted = e.accepted + e.duplicates
-        except REDIS_ERRORS as e:
+        except AWAY as e:
             if self._unsent is None:
-                logger.warning("submitting failed (%s); retrying with back-off", e)
+                logger.warning("submitting failed (%s); retrying with back-off for %gs at "
+                               "most", e, self.settings.redis_wait_s)
+            self._away(e)
             self._unsent = (jobs, entries)
             self._line.clock.failed(time.monotonic())
             return 0, 0
+        self._back()
         now = time.monotonic()
         for rid in admitted:
             part = self._parts.of(self.client.placed_keys(rid))
@@ -295,9 +357,11 @@ class BulkScorer:
             wait = self._line.wait_s(wait, time.monotonic())
         try:
             ids = self._parts.pop(wait, COLLECT_CHUNK)
-        except REDIS_ERRORS:
+        except AWAY as e:
+            self._away(e)
             time.sleep(WAIT_SLICE_S)  # results are durable; the sweep finds any lost id
             return
+        self._back()
         self._write_results([i for i in ids if i in self._inflight])
 
     def _sweep(self) -> None:
@@ -314,7 +378,7 @@ class BulkScorer:
                 self._inflight[rid].part.answers.exists(pipe, rid)
             try:
                 found = pipe.execute()
-            except REDIS_ERRORS:
+            except AWAY:
                 return
             self._write_results([rid for rid, n in zip(chunk, found, strict=True) if n])
 
@@ -327,11 +391,11 @@ class BulkScorer:
         ids = [rid for group in groups.values() for rid in group]
         try:
             raw = self._parts.read(groups)
-        except REDIS_ERRORS:
+        except AWAY:
             return  # still in flight: the next sweep finds their results
         try:  # read once: free Redis now (or they expire), the id's claim with them
             self._parts.free(groups)
-        except REDIS_ERRORS:
+        except AWAY:
             pass
         now = time.monotonic()
         for rid, data in zip(ids, raw, strict=True):
