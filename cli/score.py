@@ -24,6 +24,7 @@ from redbatch.cli.signals import signals_raise, signals_stop
 from redbatch.common.config import default_of
 from redbatch.common.logs import setup_logging
 from redbatch.common.protocol import Lane
+from redbatch.common.redis_io import RedisRefused, RedisUnavailable
 from redbatch.producer.client import Client
 from redbatch.scoring.bulk import BulkScorer, ScoreSettings
 from redbatch.scoring.inputs import ManifestError, count_items, iter_items
@@ -96,10 +97,10 @@ def score(inputs: tuple[str, ...], output: str, fmt: str | None, resume: bool,
     except ManifestError as e:
         _remove_if_empty(output, fmt, existed)
         raise click.ClickException(str(e)) from e
-    except (redis.ConnectionError, redis.TimeoutError) as e:
+    except (redis.ConnectionError, redis.TimeoutError, RedisUnavailable) as e:
         raise click.ClickException(f"lost the connection to Redis: {e}; the output holds "
                                    "what was finished, rerun with --resume") from e
-    except redis.ResponseError as e:  # NOPERM, OOM, READONLY...: said by Redis, one line
+    except (redis.ResponseError, RedisRefused) as e:  # NOPERM, OOM...: said by Redis, one line
         raise click.ClickException(f"Redis refused: {e}; the output holds what was "
                                    "finished, rerun with --resume") from e
     click.echo(line, err=True)

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from redbatch.common.protocol import JobEnvelope, Lane, ResultEnvelope
 from redbatch.common.redis_io import REDIS_ERRORS, RedisUnavailable
 from redbatch.producer.client import Client, DuplicateRequestId, QueueFull
-from redbatch.producer.errors import RESULT_TIMEOUT
+from redbatch.producer.errors import REDIS_UNAVAILABLE, RESULT_TIMEOUT
 from redbatch.scoring.inputs import Item
 from redbatch.scoring.output import DoneIndex, OutputWriter, record, result_record
 from redbatch.scoring.pacing import Waiting, WaitingLine
@@ -70,8 +70,6 @@ COLLECT_CHUNK = 256
 WAIT_SLICE_S = 0.5
 #: How often, and past what age, jobs in flight are looked up by their result key, s.
 SWEEP_EVERY_S = 5.0
-#: The code of an input given up on because Redis stayed out of reach (see the NOTE).
-REDIS_UNAVAILABLE = "redis_unavailable"
 #: What a Redis out of reach raises: redis-py's errors (the scorer's own calls) and the
 #: client's (``RedisUnavailable`` subclasses).
 AWAY = (*REDIS_ERRORS, RedisUnavailable)

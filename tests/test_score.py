@@ -41,7 +41,8 @@ from redbatch.cli.redis_server import RedisServer, free_port
 from redbatch.common.protocol import GROUP, ErrorCode, Keys, Lane
 
 #: Error codes the scorer itself writes (the worker's come from ErrorCode).
-SCORER_CODES = {"unreadable_file", "payload_too_large", "result_expired", "timeout"}
+SCORER_CODES = {"unreadable_file", "payload_too_large", "result_expired", "timeout",
+                "redis_unavailable"}
 MB = 1024 * 1024
 
 
