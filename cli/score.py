@@ -85,7 +85,11 @@ def score(inputs: tuple[str, ...], output: str, fmt: str | None, resume: bool,
         raise click.ClickException(f"{output} exists: use --resume to finish it or "
                                    "--overwrite to replace it")
     check_output_folder(output)
-    if next(iter(iter_items(inputs, texts)), None) is None:  # checked before anything starts
+    try:  # checked before anything starts
+        first = next(iter(iter_items(inputs, texts)), None)
+    except ManifestError as e:  # a malformed first line: one line, as any other
+        raise click.ClickException(str(e)) from None
+    if first is None:
         raise BadInput(f"nothing to score: no {'text' if texts else 'image'} in "
                        f"{', '.join(inputs)}")
     settings = ScoreSettings(window=window, lane=Lane(lane), timeout_s=timeout_s,

@@ -356,17 +356,22 @@ def test_an_existing_output_is_neither_replaced_nor_extended_by_default(tmp_path
     assert out.read_text() == '{"id": "earlier"}\n', "the existing output is untouched"
 
 
+@pytest.mark.parametrize("line", [1, 2])
 @pytest.mark.parametrize("bad_line", ['{"id": "two", "path": ', '{"id": "two"}', '["x", "y"]'],
                          ids=["cut-short", "no-path", "not-an-object"])
 def test_a_malformed_jsonl_manifest_is_refused_naming_file_and_line(
-        redis_url: str, tmp_path: Path, bad_line: str) -> None:
+        redis_url: str, tmp_path: Path, bad_line: str, line: int) -> None:
+    """One line, whichever line is bad (the first one printed a traceback)."""
     manifest = tmp_path / "list.jsonl"
-    manifest.write_text(json.dumps({"id": "one", "path": "a.jpg"}) + "\n" + bad_line + "\n" +
-                        json.dumps({"id": "three", "path": "b.jpg"}) + "\n")
+    good = [json.dumps({"id": "one", "path": "a.jpg"}), json.dumps({"id": "3", "path": "b"})]
+    good.insert(line - 1, bad_line)
+    manifest.write_text("\n".join(good) + "\n")
     proc = _run_score(manifest, "-o", tmp_path / "out.jsonl", "--redis", redis_url,
                       "--model", "null", timeout_s=60)
     assert proc.returncode == 1, proc.stderr
-    assert f"Error: {manifest}:2:" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"Error: {manifest}:{line}:"), \
+        proc.stderr
 
 
 # ---------------------------------------------------------------------------- lanes
