@@ -59,18 +59,16 @@ from redbatch.common.protocol import (
 from redbatch.common.redis_io import connect, connect_async
 from redbatch.producer.core import ClientCore, QueueState, admitted_jobs
 from redbatch.producer.errors import (
-    REDIS_PY_ERRORS,
     DuplicateRequestId,
     QueueFull,
     RedisRefusedCall,
     RedisUnreachable,
     ResultTimeout,
     ResultUnreadable,
-    client_error,
 )
 from redbatch.producer.handles import AsyncJobHandle, JobHandle
 from redbatch.producer.readers import ReaderTasks, ReaderThreads
-from redbatch.producer.runners import AsyncInbox, AsyncRunner, BlockingRunner, SyncInbox
+from redbatch.producer.runners import AsyncInbox, AsyncRunner, BlockingRunner, SyncInbox, connected
 
 __all__ = ["AsyncClient", "AsyncJobHandle", "Client", "DuplicateRequestId", "JobCancelled",
            "JobFailed", "JobHandle", "JobState", "JobStatus", "ProtocolError", "QueueFull",
@@ -104,10 +102,7 @@ class Client(ClientCore):
                  redis_timeout_s: float = REDIS_TIMEOUT_S) -> None:
         super().__init__(redis_url, model, prefix, max_payload_bytes)
         settings = RedisSettings(url=redis_url, socket_timeout_s=redis_timeout_s)
-        try:  # a cluster client reads the slot map at once
-            self.redis = connect(settings)
-        except REDIS_PY_ERRORS as e:
-            raise client_error(e) from e
+        self.redis = connected(connect, settings)
         self._run = BlockingRunner(self.redis).run
         self._readers = ReaderThreads(settings)
 
@@ -282,10 +277,7 @@ class AsyncClient(ClientCore):
                  redis_timeout_s: float = REDIS_TIMEOUT_S) -> None:
         super().__init__(redis_url, model, prefix, max_payload_bytes)
         settings = RedisSettings(url=redis_url, socket_timeout_s=redis_timeout_s)
-        try:  # a cluster client reads the slot map at once
-            self.redis = connect_async(settings)
-        except REDIS_PY_ERRORS as e:
-            raise client_error(e) from e
+        self.redis = connected(connect_async, settings)
         self._run = AsyncRunner(self.redis).run
         self._readers = ReaderTasks(settings)
 

@@ -18,6 +18,7 @@ from typing import Any, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
+from redbatch.common.config import RedisSettings
 from redbatch.common.redis_io import node_client, refresh_slots
 from redbatch.producer.calls import Command, Outcome, Pause, Pipelined, Receive, Script, Step, Steps
 from redbatch.producer.errors import REDIS_PY_ERRORS, client_error
@@ -60,6 +61,15 @@ class AsyncInbox:
             return await asyncio.wait_for(self._queue.get(), max(0.0, due - time.monotonic()))
         except TimeoutError:
             return None
+
+
+def connected(make: Callable[[RedisSettings], T], settings: RedisSettings) -> T:
+    """``make(settings)``, a Redis client (a cluster client reads its slot map at once),
+    with a Redis error raised as the client's own."""
+    try:
+        return make(settings)
+    except REDIS_PY_ERRORS as e:
+        raise client_error(e) from e
 
 
 def _advance(steps: Steps[Any], reply: Any, error: Exception | None) -> tuple[bool, Any]:

@@ -56,9 +56,9 @@ from redbatch.common.protocol import JobEnvelope, Lane, ResultEnvelope
 from redbatch.common.redis_io import REDIS_ERRORS, RedisUnavailable
 from redbatch.producer.client import Client, DuplicateRequestId, QueueFull
 from redbatch.producer.errors import REDIS_UNAVAILABLE, RESULT_TIMEOUT
-from redbatch.scoring.inputs import Item
+from redbatch.scoring.inputs import Item, Unsendable, read_payload
 from redbatch.scoring.output import DoneIndex, OutputWriter, record, result_record
-from redbatch.scoring.pacing import Waiting, WaitingLine
+from redbatch.scoring.pacing import Outage, Waiting, WaitingLine
 from redbatch.scoring.progress import Progress, RunStats
 from redbatch.scoring.run_parts import Part, RunParts
 
@@ -126,10 +126,7 @@ class BulkScorer:
         self._unsent: tuple[list[JobEnvelope], dict[str, Waiting]] | None = None
         self._next_sweep = time.monotonic() + SWEEP_EVERY_S
         self._exhausted = False
-        #: Since when Redis is out of reach (monotonic), and why; None while it answers.
-        #: A run starts as if it were, so a Redis unreachable from the start is bounded too.
-        self._away_since: float | None = time.monotonic()
-        self._away_why = "no call got through yet"
+        self._outage = Outage(settings.redis_wait_s, time.monotonic())
 
     def stop(self) -> None:
         """First call: stop submitting and drain; second call: stop draining too."""
@@ -157,7 +154,7 @@ class BulkScorer:
             self._sweep()
             self._expire()
             self._tick()
-            if self._gone_too_long():
+            if self._outage.over(time.monotonic()):
                 self._give_up(pending)
                 break
         self.writer.flush()
@@ -175,24 +172,10 @@ class BulkScorer:
 
     # ------------------------------------------------------------------ outages
 
-    def _away(self, e: BaseException) -> None:
-        """A call failed with Redis out of reach (see NOTE [ Redis going away ])."""
-        if self._away_since is None:
-            self._away_since = time.monotonic()
-        self._away_why = str(e) or type(e).__name__
-
-    def _back(self) -> None:
-        """A call got through: an outage, if any, is over."""
-        self._away_since = None
-
-    def _gone_too_long(self) -> bool:
-        return self._away_since is not None and \
-            time.monotonic() - self._away_since > self.settings.redis_wait_s
-
     def _give_up(self, pending: Iterator[Item]) -> None:
         """Write every input left as ``redis_unavailable``: in flight, waiting, unread."""
         message = (f"Redis stayed out of reach for over {self.settings.redis_wait_s:g}s "
-                   f"({self._away_why})")
+                   f"({self._outage.why})")
         logger.error("%s: every input left is written as %s", message, REDIS_UNAVAILABLE)
         left: list[Item] = [f.item for f in self._inflight.values()]
         self._inflight.clear()
@@ -248,10 +231,10 @@ class BulkScorer:
         try:
             free = self.client.queue_state(self.settings.lane).room
         except AWAY as e:
-            self._away(e)
+            self._outage.failed(e, time.monotonic())
             self._line.clock.failed(time.monotonic())
             return 0
-        self._back()
+        self._outage.answered()
         if free is None:
             self._line.bounded = False  # the bound was removed
             return room
@@ -267,23 +250,10 @@ class BulkScorer:
         return [Waiting(item) for item in fresh]
 
     def _read(self, item: Item) -> bytes | str | None:
-        """The item's payload: its text, or its file's bytes; None (its error record
-        written) when the file cannot be read or either is over the payload limit."""
-        if item.text is not None:
-            if len(item.text.encode()) <= self.settings.max_payload_bytes:
-                return item.text
-            self._write_error(item, "payload_too_large",
-                              f"text is longer than {self.settings.max_payload_bytes} bytes")
-            return None
-        try:
-            with open(item.path, "rb") as f:
-                data = f.read(self.settings.max_payload_bytes + 1)
-        except OSError as e:
-            self._write_error(item, "unreadable_file", f"cannot read file: {e.strerror or e}")
-            return None
-        if len(data) > self.settings.max_payload_bytes:
-            self._write_error(item, "payload_too_large",
-                              f"file is larger than {self.settings.max_payload_bytes} bytes")
+        """The item's payload; None (its error record written) when it cannot be sent."""
+        data = read_payload(item, self.settings.max_payload_bytes)
+        if isinstance(data, Unsendable):
+            self._write_error(item, data.code, data.message)
             return None
         return data
 
@@ -332,11 +302,11 @@ class BulkScorer:
             if self._unsent is None:
                 logger.warning("submitting failed (%s); retrying with back-off for %gs at "
                                "most", e, self.settings.redis_wait_s)
-            self._away(e)
+            self._outage.failed(e, time.monotonic())
             self._unsent = (jobs, entries)
             self._line.clock.failed(time.monotonic())
             return 0, 0
-        self._back()
+        self._outage.answered()
         now = time.monotonic()
         for rid in admitted:
             part = self._parts.of(self.client.placed_keys(rid))
@@ -356,10 +326,10 @@ class BulkScorer:
         try:
             ids = self._parts.pop(wait, COLLECT_CHUNK)
         except AWAY as e:
-            self._away(e)
+            self._outage.failed(e, time.monotonic())
             time.sleep(WAIT_SLICE_S)  # results are durable; the sweep finds any lost id
             return
-        self._back()
+        self._outage.answered()
         self._write_results([i for i in ids if i in self._inflight])
 
     def _sweep(self) -> None:

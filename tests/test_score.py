@@ -700,3 +700,16 @@ def test_the_verdict_counts_every_input_against_the_error_rate() -> None:
     assert verdict(stats, False, True, 0.1)[0] == 130
     assert verdict(stats, False, False, 1.0)[0] == 1, "an input without a record"
     assert verdict(RunStats(), True, False, 0.0)[0] == 0, "nothing to do fails nothing"
+
+
+def test_an_outage_is_counted_from_the_first_failure_since_the_last_answer() -> None:
+    from redbatch.scoring.pacing import Outage
+
+    outage = Outage(limit_s=5.0, now=100.0)  # a run starts as if Redis were away
+    assert not outage.over(105.0) and outage.over(105.1)
+    outage.answered()
+    assert not outage.over(1000.0)
+    outage.failed(ConnectionError("refused"), now=200.0)
+    outage.failed(ConnectionError("refused again"), now=203.0)
+    assert not outage.over(205.0) and outage.over(205.1), "from the first failure"
+    assert outage.why == "refused again"
