@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TextIO
 
 from redbatch.cli.fleet_state import FleetStatus, ModelStatus, WorkerStatus
@@ -32,7 +32,7 @@ _LEAVE = "\x1b[?25h\x1b[?1049l"
 def render(status: FleetStatus) -> str:
     """The status as text: a title, one row per model and lane (summed over the model's
     partitions: ``PARTS`` is their count), then one row per worker."""
-    when = datetime.fromtimestamp(status.now_ms / 1000, timezone.utc).strftime("%H:%M:%S UTC")
+    when = datetime.fromtimestamp(status.now_ms / 1000, UTC).strftime("%H:%M:%S UTC")
     title = (f"redbatch  prefix {status.prefix}  {when}  "
              f"results, rates and latencies over the last {status.window_s:g} s")
     if not status.models:

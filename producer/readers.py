@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
 from typing import Any
 
@@ -115,7 +114,7 @@ class ReaderTasks:
     async def _run(waits: ReplyWaits, runner: AsyncRunner) -> None:
         task = asyncio.current_task()
         while True:
-            if task is not None and sys.version_info >= (3, 11) and task.cancelling():
+            if task is not None and task.cancelling():
                 # A cancellation redis-py lost (seen: a BLPOP cancelled mid-read went on
                 # to its reply, the task still "cancelling"): honoured between passes, so
                 # even asyncio.run's single cancel at its end stops the reader.
