@@ -266,3 +266,44 @@ def test_a_failover_of_one_partitions_master_loses_no_accepted_job(
     master.start()  # back as a replica of the new master, for any test after this one
     cluster.wait_ok(60)
     refresh_slots(rc)  # the fixture flushes the masters of today's map
+
+
+def test_every_partition_waits_for_its_replica_on_its_own_master(
+        cluster: LocalCluster, rc: redis.Redis) -> None:
+    """Issue 28 item 5 on a cluster: three partitions, one per master, one flush over all
+    three; each master ran one WAIT, on the connection that wrote (before the fix,
+    partition 0's master alone did)."""
+    from redbatch.common.redis_io import connect
+    from redbatch.gpu_worker.metrics import WorkerMetrics
+    from redbatch.gpu_worker.streams.results import Answer, ResultWriter
+    from redbatch.gpu_worker.streams.transaction import ReplicaWait
+
+    parts = [Keys(MODEL, partition=q) for q in range(3)]
+    masters = [cluster.master_of(keys.stream(Lane.INTERACTIVE)) for keys in parts]
+    assert len({m.port for m in masters}) == 3
+    answers = []
+    for keys in parts:
+        stream = keys.stream(Lane.INTERACTIVE)
+        rc.xgroup_create(stream, p.GROUP, id="0", mkstream=True)
+        for i in range(2):
+            rc.xadd(stream, {"rid": f"w{keys.partition}-{i}", "job": b"x"})
+        entries = rc.xreadgroup(p.GROUP, "w", {stream: ">"}, count=2)[0][1]
+        answers += [Answer(stream, entry_id, f"w{keys.partition}-{i}", b"result")
+                    for i, (entry_id, _) in enumerate(entries)]
+
+    def waits(node: object) -> int:
+        r = redis.Redis(port=node.port, socket_timeout=2)  # type: ignore[attr-defined]
+        try:
+            return int(r.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
+        finally:
+            r.close()
+
+    before = [waits(m) for m in masters]
+    metrics = WorkerMetrics(MODEL, 8)
+    writer = ResultWriter(connect(cluster.url), parts[0], "w", 60, ReplicaWait(1, 5000),
+                          metrics.result_waited)
+    assert writer.write_and_ack(answers).held == []
+    assert [waits(m) - b for m, b in zip(masters, before, strict=True)] == [1, 1, 1]
+    assert metrics.result_waits["acked"]._value.get() == 3
+    assert all(rc.xpending(keys.stream(Lane.INTERACTIVE), p.GROUP)["pending"] == 0
+               for keys in parts)

@@ -279,11 +279,12 @@ class ResultWriter:
         return Flushed(held, undeliverable)
 
     def _sibling(self, partition: int) -> ResultWriter:
-        """The writer of one partition of the model (this one for its own)."""
+        """The writer of one partition of the model (this one for its own), with the same
+        replica wait: each partition's transaction has its own WAIT."""
         writer = self._siblings.get(partition)
         if writer is None:
             writer = ResultWriter(self._redis, self.keys.part(partition), self.worker,
-                                  self._ttl_ms // 1000)
+                                  self._ttl_ms // 1000, self._wait, self._waited)
             self._siblings[partition] = writer
         return writer
 
