@@ -3,11 +3,15 @@ read from Redis at start and again every REFRESH_S, and only ever grows here."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Generator
 
 import redis
 from redbatch.common.protocol import Keys, Lane, parse_partition_history
+from redbatch.common.redis_io import error_code
+
+logger = logging.getLogger(__name__)
 
 REFRESH_S = 5.0
 """How often a worker reads the model's partition count again."""
@@ -30,6 +34,8 @@ class PartitionSet:
         self._turn = 0
         #: When each bulk stream was last found empty (monotonic s).
         self._bulk_empty: dict[str, float] = {}
+        #: The partitions key was found holding another type (warned once).
+        self._warned = False
 
     @property
     def count(self) -> int:
@@ -40,7 +46,16 @@ class PartitionSet:
         now = time.monotonic()
         if not force and now - self._checked < REFRESH_S:
             return []
-        raw = self._redis.lrange(self.model_keys.partitions(), 0, -1)
+        try:
+            raw = self._redis.lrange(self.model_keys.partitions(), 0, -1)
+        except redis.ResponseError as e:
+            if error_code(e) != "WRONGTYPE":
+                raise
+            raw = None  # unreadable: 1 (PROTOCOL.md "Partitions")
+            if not self._warned:
+                self._warned = True
+                logger.warning("%s is not a list (%s): it reads as 1 partition until it "
+                               "is deleted", self.model_keys.partitions(), e)
         self._checked = now
         count = parse_partition_history(raw)[-1]
         added = [self.model_keys.part(p) for p in range(self.count, count)]
