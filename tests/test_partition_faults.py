@@ -9,8 +9,14 @@ import logging
 
 import pytest
 import redis
+from redbatch.common import protocol as p
 from redbatch.common.protocol import JobEnvelope, Keys, Lane
+from redbatch.common.redis_io import RedisRefused
+from redbatch.gpu_worker.events import Written
+from redbatch.gpu_worker.metrics import Health
+from redbatch.gpu_worker.outbox import Outbox
 from redbatch.gpu_worker.streams.intake import Intake
+from redbatch.gpu_worker.streams.results import Answer, Flushed, ResultWriter
 from redbatch.producer.client import Client
 
 MODEL = "null_tensor"
@@ -48,3 +54,71 @@ def test_a_string_at_the_partitions_key_reads_as_one_partition(
               and "not a list" in rec.getMessage()]
     assert [rec.name for rec in warned] == ["redbatch.gpu_worker.streams.partitions",
                                             "redbatch.producer.core"], warned
+
+
+def _read_into_group(r: redis.Redis, keys: Keys, n: int, tag: str) -> list[Answer]:
+    """``n`` jobs of one partition read into the group (pending), each with an answer
+    that names the partition's reply list ``c1``."""
+    stream = keys.stream(Lane.INTERACTIVE)
+    r.xgroup_create(stream, p.GROUP, id="0", mkstream=True)
+    ids = _queue_raw(r, keys, Lane.INTERACTIVE, n, tag)
+    entries = r.xreadgroup(p.GROUP, "w", {stream: ">"}, count=n)[0][1]
+    return [Answer(stream, entry_id, rid, b"result", reply_to=keys.reply("c1"))
+            for rid, (entry_id, _) in zip(ids, entries, strict=True)]
+
+
+@pytest.mark.parametrize("refused_first", [True, False])
+def test_a_refused_partitions_write_holds_back_only_its_own_answers(
+        redis_url: str, r: redis.Redis, refused_first: bool) -> None:
+    """Item 6, writes: the worker's user may not write partition 1 (an ACL: NOPERM, so
+    Redis refuses its transaction whole). A flush over partitions 0 and 1, in either
+    order, writes partition 0's answers and its dead letter once, and hands back
+    partition 1's alone; the outbox retries those on partition 1's clock, while a new
+    answer of partition 0 ships at once. Before: the flush raised, holding partition 0's
+    answers back (refused first), or writing them again on the retry (refused last)."""
+    zero, one = Keys(MODEL), Keys(MODEL, partition=1)
+    answers0, answers1 = _read_into_group(r, zero, 5, "w0"), _read_into_group(r, one, 5, "w1")
+    answers0[0].dead_letter = p.dead_letter({}, answers0[0].stream, answers0[0].entry_id,
+                                            p.ErrorCode.DEAD_LETTERED, "test", 3)
+    r.acl_setuser("no-part-1", enabled=True, passwords=["+pw1"], commands=["+@all"],
+                  keys=[f"~{_tag(zero)}*", f"%R~{_tag(one)}*"], reset=True)
+    try:
+        writer = ResultWriter(redis.Redis.from_url(_as_user(redis_url, "no-part-1", "pw1")),
+                              zero, "w", 60)
+        flushed = writer.write_and_ack(answers1 + answers0 if refused_first
+                                       else answers0 + answers1)
+    finally:
+        r.acl_deluser("no-part-1")
+    assert flushed.failed == answers1 and isinstance(flushed.error, RedisRefused)
+    assert "NOPERM" in str(flushed.error)
+    assert r.lrange(zero.reply("c1"), 0, -1) == [a.request_id.encode() for a in answers0]
+    assert all(r.get(zero.result(a.request_id or "")) == b"result" for a in answers0)
+    assert r.xlen(zero.dlq()) == 1
+    assert r.xpending(zero.stream(Lane.INTERACTIVE), p.GROUP)["pending"] == 0
+    assert r.xpending(one.stream(Lane.INTERACTIVE), p.GROUP)["pending"] == 5
+    assert not r.exists(one.reply("c1"))
+    # The outbox: partition 0's answers are done, partition 1's wait out their back-off.
+    sent: list[list[Answer]] = []
+    outbox = Outbox(Health(), sent.append)
+    outbox.extend(answers0 + answers1)
+    outbox.ship(0.0)
+    written, _ = outbox.settle(Written(sent[-1], flushed), 100.0)
+    assert written == answers0
+    late = Answer(zero.stream(Lane.INTERACTIVE), b"9-9", "late", b"x")
+    outbox.add(late)
+    outbox.ship(100.0)
+    assert sent[-1] == [late], "partition 0 ships at once"
+    outbox.settle(Written(sent[-1], Flushed()), 100.0)
+    outbox.ship(100.0)
+    assert len(sent) == 2, "partition 1 backs off"
+    outbox.ship(200.0)
+    assert sent[-1] == answers1
+
+
+def _tag(keys: Keys) -> str:
+    """The start of every key of one partition (``redbatch:{M#p}:``)."""
+    return keys.stream(Lane.BULK).rsplit("jobs:", 1)[0]
+
+
+def _as_user(url: str, user: str, password: str) -> str:
+    return url.replace("redis://", f"redis://{user}:{password}@", 1)
