@@ -6,6 +6,7 @@ other partitions and lanes are read, written and answered. Against a real redis-
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import redis
@@ -122,3 +123,79 @@ def _tag(keys: Keys) -> str:
 
 def _as_user(url: str, user: str, password: str) -> str:
     return url.replace("redis://", f"redis://{user}:{password}@", 1)
+
+
+def _read_all(intake: Intake, want: int, within_s: float = 15.0) -> list[str]:
+    """Read until ``want`` jobs came (or ``within_s``); their ids. Bad entries fail."""
+    got: list[str] = []
+    deadline = time.monotonic() + within_s
+    while len(got) < want and time.monotonic() < deadline:
+        jobs, bad = intake.read(50, 50, 20)
+        assert not bad, bad
+        got += [job.request_id for job in jobs]
+    return got
+
+
+def test_a_key_of_another_type_at_one_lane_stream_stops_that_stream_alone(
+        r: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """Item 7: three partitions, a string planted at partition 1's interactive stream
+    before the worker starts. Its groups are made on the other five streams, their jobs
+    are read (both lanes, every partition), the planted stream is logged once however
+    many reads pass, and once the key is deleted its group is made and its jobs read.
+    Before: creating the groups raised WRONGTYPE, and so did every read after."""
+    r.eval(p.RAISE_PARTITIONS_SCRIPT, 1, Keys(MODEL).partitions(), 3)
+    parts = [Keys(MODEL, partition=q) for q in range(3)]
+    planted = parts[1].stream(Lane.INTERACTIVE)
+    r.set(planted, "not a stream")
+    caplog.set_level(logging.WARNING)
+    intake = Intake(r, Keys(MODEL), "reader-1", 1 << 20)
+    intake.ensure_groups()
+    intake.read(1, 1, 0)  # own pending entries (none): the recovery pass
+    ids = [rid for keys in parts for lane in Lane if keys.stream(lane) != planted
+           for rid in _queue_raw(r, keys, lane, 4, "ok")]
+    assert sorted(_read_all(intake, 20)) == sorted(ids)
+    for _ in range(5):
+        assert intake.read(10, 10, 10) == ([], [])
+    lines = [rec.getMessage() for rec in caplog.records if planted in rec.getMessage()]
+    assert len(lines) == 1 and "WRONGTYPE" in lines[0], lines
+    r.delete(planted)
+    late = _queue_raw(r, parts[1], Lane.INTERACTIVE, 3, "late")
+    assert sorted(_read_all(intake, 3)) == sorted(late)
+    assert any("served again" in rec.getMessage() for rec in caplog.records)
+
+
+def test_one_planted_lane_of_one_partition_leaves_the_other_lane_served(
+        r: redis.Redis) -> None:
+    """Item 7 with one partition: the interactive stream planted, bulk jobs are read, and
+    an idle read blocks on the bulk lane alone without an error."""
+    keys = Keys(MODEL)
+    r.set(keys.stream(Lane.INTERACTIVE), "not a stream")
+    intake = Intake(r, keys, "reader-1", 1 << 20)
+    intake.ensure_groups()
+    intake.read(1, 1, 0)
+    ids = _queue_raw(r, keys, Lane.BULK, 5, "bulk")
+    assert sorted(_read_all(intake, 5)) == sorted(ids)
+    started = time.monotonic()
+    assert intake.read(4, 4, 200) == ([], [])
+    assert time.monotonic() - started >= 0.15, "it blocked on the bulk lane"
+
+
+def test_every_stream_refused_fails_the_read_and_startup_waits(r: redis.Redis) -> None:
+    """A Redis that refuses every stream (here: each planted, so group creation fails
+    with WRONGTYPE on all, which is no reason to hold start-up) reads nothing and raises
+    from the read, so that the reader backs off and says why; one that cannot take the
+    groups at all (out of memory) still holds start-up."""
+    keys = Keys(MODEL)
+    for lane in Lane:
+        r.set(keys.stream(lane), "x")
+    intake = Intake(r, keys, "reader-1", 1 << 20)
+    intake.ensure_groups()
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        intake.read(4, 4, 10)
+    r.flushall()
+    r.config_set("maxmemory", 1)
+    try:
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            Intake(r, keys, "reader-2", 1 << 20).ensure_groups()
+    finally:
+        r.config_set("maxmemory", 0)

@@ -10,6 +10,7 @@ from collections.abc import Generator
 import redis
 from redbatch.common.protocol import Keys, Lane, parse_partition_history
 from redbatch.common.redis_io import error_code
+from redbatch.gpu_worker.streams.faults import StreamFaults
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +26,11 @@ time."""
 class PartitionSet:
     """Keys of every partition of one model, and a rotating order to read them in."""
 
-    def __init__(self, r: redis.Redis, keys: Keys) -> None:
+    def __init__(self, r: redis.Redis, keys: Keys, faults: StreamFaults | None = None) -> None:
         self._redis = r
+        #: Where a failed read of the count sets the partitions key aside (the streams'
+        #: own, in the intake).
+        self._faults = faults or StreamFaults()
         self.model_keys = keys.part(0)
         #: Partition p's keys at index p.
         self.parts: list[Keys] = [self.model_keys]
@@ -42,25 +46,38 @@ class PartitionSet:
         return len(self.parts)
 
     def refresh(self, force: bool = False) -> list[Keys]:
-        """Read the count if due (or ``force``); returns the keys of partitions it added."""
+        """Read the count if due (or ``force``); returns the keys of partitions it added.
+        A key of another type reads as 1 (warned once). Another failure keeps the count
+        read last, and the key is read again after a back-off; a forced read raises it."""
         now = time.monotonic()
-        if not force and now - self._checked < REFRESH_S:
+        key = self.model_keys.partitions()
+        if not force and (now - self._checked < REFRESH_S or not self._faults.usable(key)):
             return []
         try:
-            raw = self._redis.lrange(self.model_keys.partitions(), 0, -1)
+            raw = self._redis.lrange(key, 0, -1)
         except redis.ResponseError as e:
             if error_code(e) != "WRONGTYPE":
-                raise
+                return self._failed(e, force)
             raw = None  # unreadable: 1 (PROTOCOL.md "Partitions")
             if not self._warned:
                 self._warned = True
                 logger.warning("%s is not a list (%s): it reads as 1 partition until it "
-                               "is deleted", self.model_keys.partitions(), e)
+                               "is deleted", key, e)
+        except redis.RedisError as e:
+            return self._failed(e, force)
+        self._faults.served([key])
         self._checked = now
         count = parse_partition_history(raw)[-1]
         added = [self.model_keys.part(p) for p in range(self.count, count)]
         self.parts += added
         return added
+
+    def _failed(self, error: redis.RedisError, force: bool) -> list[Keys]:
+        self._faults.failed([self.model_keys.partitions()], error,
+                            f"reading the partition count ({self.count} read before)")
+        if force:
+            raise error
+        return []
 
     def streams(self) -> list[str]:
         """Every job stream, partition by partition, interactive first in each."""
