@@ -10,6 +10,7 @@ import time
 
 import pytest
 import redis
+from conftest import SAMPLES, WorkerFactory
 from redbatch.common import protocol as p
 from redbatch.common.protocol import JobEnvelope, Keys, Lane
 from redbatch.common.redis_io import RedisRefused
@@ -199,3 +200,21 @@ def test_every_stream_refused_fails_the_read_and_startup_waits(r: redis.Redis) -
             Intake(r, keys, "reader-2", 1 << 20).ensure_groups()
     finally:
         r.config_set("maxmemory", 0)
+
+
+def test_a_two_model_worker_started_on_a_planted_stream_serves_the_other_model(
+        redis_url: str, r: redis.Redis, start_worker: WorkerFactory) -> None:
+    """Item 7: a worker of ``null`` and ``null_tensor`` started while a string sits at
+    ``null``'s interactive stream: ``null_tensor`` is served, and so is ``null``'s bulk
+    lane. Before: start-up waited on the first model's groups for good, no job of either
+    model answered."""
+    r.set(Keys("null").stream(Lane.INTERACTIVE), "not a stream")
+    start_worker("--model", MODEL, model="null", wait=False)
+    photo = (SAMPLES / "cat.jpg").read_bytes()
+    with Client(redis_url, model=MODEL) as client:
+        tensors = client.submit_many([FOUR] * 4, timeout_s=120)
+        bulk = [client.submit(photo, model="null", lane=Lane.BULK, timeout_s=120)
+                for _ in range(2)]
+        results = client.results(tensors, timeout_s=90)
+        results += client.results(bulk, model="null", timeout_s=90)
+    assert all(res.ok for res in results), results
