@@ -6,9 +6,11 @@ work across slots."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ from redbatch.cli.acl_rules import user_url
 from redbatch.cli.local_stack import count_consumers
 from redbatch.common import protocol as p
 from redbatch.common.protocol import AnswerKeys, DeadLetters, JobEnvelope, Keys, Lane, ReplyList
-from redbatch.common.redis_io import refresh_slots
+from redbatch.common.redis_io import connect, refresh_slots
 from redbatch.gpu_worker.streams.transaction import Commands
 from redbatch.producer import core
 from redbatch.producer.client import Client, DuplicateRequestId, QueueFull
@@ -273,7 +275,6 @@ def test_every_partition_waits_for_its_replica_on_its_own_master(
     """Issue 28 item 5 on a cluster: three partitions, one per master, one flush over all
     three; each master ran one WAIT, on the connection that wrote (before the fix,
     partition 0's master alone did)."""
-    from redbatch.common.redis_io import connect
     from redbatch.gpu_worker.metrics import WorkerMetrics
     from redbatch.gpu_worker.streams.results import Answer, ResultWriter
     from redbatch.gpu_worker.streams.transaction import ReplicaWait
@@ -307,3 +308,48 @@ def test_every_partition_waits_for_its_replica_on_its_own_master(
     assert metrics.result_waits["acked"]._value.get() == 3
     assert all(rc.xpending(keys.stream(Lane.INTERACTIVE), p.GROUP)["pending"] == 0
                for keys in parts)
+
+
+@pytest.fixture(scope="module")
+def bare_cluster() -> Iterator[LocalCluster]:
+    """3 masters, no replicas, serving the slots they still have when one is lost
+    (``cluster-require-full-coverage no``): a lost master stays lost."""
+    with LocalCluster(replicas=0, extra_args=["--cluster-require-full-coverage", "no"]) as c:
+        yield c
+
+
+def _ids_in(parts: set[int], count: int, n: int, tag: str) -> list[str]:
+    """``n`` request ids whose partition among ``count`` is in ``parts``."""
+    ids = (f"{tag}-{i}" for i in itertools.count())
+    return list(itertools.islice((rid for rid in ids if p.partition_of(rid, count) in parts), n))
+
+
+def test_a_lost_master_stops_only_its_own_partitions(
+        bare_cluster: LocalCluster, tmp_path: Path) -> None:
+    """Item 6 on a cluster: four partitions on three masters, no replicas; the master of
+    partitions 2 and 3 SIGKILLed for good while jobs are in flight. Every job of the live
+    partitions (0 and 1), in flight then or submitted after, is answered, and the worker
+    never exits. Before: 0 answered until the master came back (reads were one pipeline
+    over every master, and failed whole)."""
+    rc = connect(bare_cluster.url)
+    rc.eval(p.RAISE_PARTITIONS_SCRIPT, 1, Keys(MODEL).partitions(), 4)
+    victim = bare_cluster.master_of(Keys(MODEL, partition=2).stream(Lane.BULK))
+    assert victim is bare_cluster.master_of(Keys(MODEL, partition=3).stream(Lane.BULK))
+    assert victim is not bare_cluster.master_of(Keys(MODEL).stream(Lane.BULK))
+    with spawned_workers(tmp_path) as start:
+        worker, log = start(bare_cluster.url, "--max-inflight", "8", model=MODEL)
+        with Client(bare_cluster.url, model=MODEL) as client:
+            assert all(r.ok for r in client.results(client.submit_many([FOUR] * 12,
+                                                                       timeout_s=120)))
+            live = _ids_in({0, 1}, 4, 30, "live")
+            flying = [client.submit(FOUR, request_id=rid, timeout_s=120) for rid in live[:10]]
+            victim.kill()
+            after = [client.submit(FOUR, request_id=rid, timeout_s=120) for rid in live[10:]]
+            results = client.results([*flying, *after], timeout_s=90)
+        assert [r.request_id for r in results] == live
+        assert all(r.ok for r in results), [r for r in results if not r.ok][:3]
+        assert worker.poll() is None, "the worker never exits"
+    text = log.read_text(errors="replace")
+    assert "skipped, retried with back-off" in text
+    assert "Traceback" not in text, text[-3000:]
+    rc.close()
