@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import subprocess
 import time
 from collections.abc import Iterator
@@ -353,3 +354,40 @@ def test_a_lost_master_stops_only_its_own_partitions(
     assert "skipped, retried with back-off" in text
     assert "Traceback" not in text, text[-3000:]
     rc.close()
+
+
+def test_a_model_without_a_count_spreads_over_the_masters_once(
+        cluster: LocalCluster, rc: redis.Redis, r: redis.Redis,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Item 11: the first worker to meet a model with no partition count on a cluster of
+    three masters sets it to 3 (history ``1 3``: ids sent before went to partition 0),
+    once: a second worker finds it set. ``partitions --set 1`` first keeps a model on one
+    master; on one Redis nothing is set."""
+    from click.testing import CliRunner
+    from redbatch.cli import main
+    from redbatch.gpu_worker.streams.intake import Intake
+
+    caplog.set_level(logging.INFO)
+    first = Intake(rc, Keys(MODEL), "c1", 1 << 20)
+    first.ensure_groups()
+    assert first.partitions.count == 3
+    assert rc.lrange(Keys(MODEL).partitions(), 0, -1) == [b"1", b"3"]
+    assert all(rc.xinfo_groups(Keys(MODEL, partition=q).stream(lane))
+               for q in range(3) for lane in Lane)
+    second = Intake(rc, Keys(MODEL), "c2", 1 << 20)
+    second.ensure_groups()
+    assert second.partitions.count == 3
+    assert rc.lrange(Keys(MODEL).partitions(), 0, -1) == [b"1", b"3"]
+    said = [rec.getMessage() for rec in caplog.records if "had no partition count" in
+            rec.getMessage()]
+    assert len(said) == 1 and "3 now" in said[0], said
+    out = CliRunner().invoke(main, ["partitions", "--model-name", "null", "--set", "1",
+                                    "--redis", cluster.url])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["history"] == [1]
+    kept = Intake(rc, Keys("null"), "c3", 1 << 20)
+    kept.ensure_groups()
+    assert kept.partitions.count == 1 and rc.lrange(Keys("null").partitions(), 0, -1) == [b"1"]
+    alone = Intake(r, Keys(MODEL), "c4", 1 << 20)
+    alone.ensure_groups()
+    assert alone.partitions.count == 1 and not r.exists(Keys(MODEL).partitions())

@@ -218,3 +218,9 @@ def test_a_two_model_worker_started_on_a_planted_stream_serves_the_other_model(
         results = client.results(tensors, timeout_s=90)
         results += client.results(bulk, model="null", timeout_s=90)
     assert all(res.ok for res in results), results
+
+
+def test_protocol_md_holds_both_partition_scripts_verbatim() -> None:
+    doc = (SAMPLES.parent / "PROTOCOL.md").read_text()
+    for script in (p.RAISE_PARTITIONS_SCRIPT, p.DEFAULT_PARTITIONS_SCRIPT):
+        assert f"```lua\n{script}```" in doc, script.splitlines()[0]

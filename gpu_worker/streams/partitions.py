@@ -6,10 +6,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Generator
+from typing import Any, cast
 
 import redis
-from redbatch.common.protocol import Keys, Lane, parse_partition_history
-from redbatch.common.redis_io import error_code
+from redbatch.common.protocol import (
+    DEFAULT_PARTITIONS_SCRIPT,
+    Keys,
+    Lane,
+    parse_partition_history,
+)
+from redbatch.common.redis_io import error_code, is_cluster
 from redbatch.gpu_worker.streams.faults import StreamFaults
 
 logger = logging.getLogger(__name__)
@@ -65,12 +71,37 @@ class PartitionSet:
                                "is deleted", key, e)
         except redis.RedisError as e:
             return self._failed(e, force)
+        if force and raw == [] and is_cluster(self._redis):
+            raw = self._spread(raw)
         self._faults.served([key])
         self._checked = now
         count = parse_partition_history(raw)[-1]
         added = [self.model_keys.part(p) for p in range(self.count, count)]
         self.parts += added
         return added
+
+    def _spread(self, raw: list[bytes]) -> list[bytes]:
+        """No count was ever set on this cluster: set P = its masters, once for every
+        worker (DEFAULT_PARTITIONS_SCRIPT), so that the model spreads over them; said in
+        one line. Refused (an ACL user without the script): P stays 1, said so."""
+        key = self.model_keys.partitions()
+        masters = len(cast(Any, self._redis).get_primaries())
+        if masters < 2:
+            return raw
+        try:
+            history = cast(list[bytes], self._redis.eval(DEFAULT_PARTITIONS_SCRIPT, 1, key,
+                                                         masters))
+        except redis.RedisError as e:
+            logger.warning("model %s has no partition count and it could not be set (%s): "
+                           "it stays on one of the cluster's %d masters; run redbatch "
+                           "partitions --set %d to spread it", self.model_keys.model, e,
+                           masters, masters)
+            return raw
+        logger.info("model %s had no partition count: %s now, set for the cluster's %d "
+                    "masters (redbatch partitions --set 1 before the first worker starts "
+                    "keeps a model on one)", self.model_keys.model,
+                    parse_partition_history(history)[-1], masters)
+        return history
 
     def _failed(self, error: redis.RedisError, force: bool) -> list[Keys]:
         self._faults.failed([self.model_keys.partitions()], error,
