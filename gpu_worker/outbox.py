@@ -77,7 +77,8 @@ class Outbox:
         if not self._retry_at:
             answers, self._answers = self._answers, []
             return answers
-        due, wait = [], []
+        due: list[Answer] = []
+        wait: list[Answer] = []
         for answer in self._answers:
             waits = stream_partition(answer.stream)[0] in self._retry_at
             (wait if waits else due).append(answer)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import Any, cast
 
 import redis
@@ -59,8 +59,9 @@ class PartitionSet:
         key = self.model_keys.partitions()
         if not force and (now - self._checked < REFRESH_S or not self._faults.usable(key)):
             return []
+        raw: Sequence[bytes | str] | None
         try:
-            raw = self._redis.lrange(key, 0, -1)
+            raw = cast(list[bytes], self._redis.lrange(key, 0, -1))
         except redis.ResponseError as e:
             if error_code(e) != "WRONGTYPE":
                 return self._failed(e, force)
@@ -72,7 +73,7 @@ class PartitionSet:
         except redis.RedisError as e:
             return self._failed(e, force)
         if force and raw == [] and is_cluster(self._redis):
-            raw = self._spread(raw)
+            raw = self._spread()
         self._faults.served([key])
         self._checked = now
         count = parse_partition_history(raw)[-1]
@@ -80,14 +81,14 @@ class PartitionSet:
         self.parts += added
         return added
 
-    def _spread(self, raw: list[bytes]) -> list[bytes]:
+    def _spread(self) -> list[bytes]:
         """No count was ever set on this cluster: set P = its masters, once for every
         worker (DEFAULT_PARTITIONS_SCRIPT), so that the model spreads over them; said in
         one line. Refused (an ACL user without the script): P stays 1, said so."""
         key = self.model_keys.partitions()
         masters = len(cast(Any, self._redis).get_primaries())
         if masters < 2:
-            return raw
+            return []
         try:
             history = cast(list[bytes], self._redis.eval(DEFAULT_PARTITIONS_SCRIPT, 1, key,
                                                          masters))
@@ -96,7 +97,7 @@ class PartitionSet:
                            "it stays on one of the cluster's %d masters; run redbatch "
                            "partitions --set %d to spread it", self.model_keys.model, e,
                            masters, masters)
-            return raw
+            return []
         logger.info("model %s had no partition count: %s now, set for the cluster's %d "
                     "masters (redbatch partitions --set 1 before the first worker starts "
                     "keeps a model on one)", self.model_keys.model,
