@@ -12,7 +12,8 @@ closed loop of the real Client keeping its share of --window jobs in flight. Pay
 lengths). Over the steady phase it reads jobs/s, the worker's CPU ms per job (its own
 process, and its pool), redis-server's, and the Redis calls per job (INFO commandstats);
 then Poisson arrivals at --load x that capacity for --load-s, timed from each scheduled
-arrival: p50/p99. Writes DIR/NAME.json.
+arrival: p50/p99. The steady phase runs on past --seconds (up to 10x) until --min-jobs
+are answered. Writes DIR/NAME.json.
 """
 
 from __future__ import annotations
@@ -157,6 +158,10 @@ def steady(args: argparse.Namespace, server: RedisServer, worker_pid: int,
         time.sleep(args.warmup_s)
         a = snapshot(r, producers, wproc, sproc)
         time.sleep(args.seconds)
+        # A slow or busy machine: longer, until --min-jobs are answered (at most 10x).
+        until = time.monotonic() + 9 * args.seconds
+        while producers.answered()[0] - a["jobs"] < args.min_jobs and time.monotonic() < until:
+            time.sleep(0.1)
         b = snapshot(r, producers, wproc, sproc)
     finally:
         producers.close()
@@ -195,6 +200,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--seconds", type=float, default=10.0, help="steady phase, s")
     p.add_argument("--warmup-s", type=float, default=3.0)
+    p.add_argument("--min-jobs", type=int, default=20,
+                   help="the steady phase lasts until this many are answered")
     p.add_argument("--producers", type=int, default=4)
     p.add_argument("--window", type=int, default=1024, help="jobs in flight in all")
     p.add_argument("--load", type=float, default=0.7, help="share of capacity for the p99")

@@ -72,6 +72,8 @@ def test_the_dry_run_ends_with_a_verdict_and_at_most_8_files(tmp_path: Path) -> 
     summary = (out / "summary.txt").read_text()
     assert summary.strip().splitlines()[-1] == lines[-1]
     assert "failed steps:  none" in summary, run.stderr[-3000:]
+    ratio = float(VERDICT.match(lines[-1]).group(2))  # type: ignore[union-attr]
+    assert ratio > 0, summary  # end to end answered jobs, and the model alone ran
     assert re.search(r"device_error: ok .*\"exit_code\": 3", summary)
     files = sorted(p.name for p in out.rglob("*") if p.is_file())
     assert files == ["env.txt", "results.tar.gz", "summary.txt"]

@@ -34,7 +34,7 @@ NOTE [ WAIT after the write ]
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -112,10 +112,16 @@ def pack_in_python(args: Sequence[Any]) -> bytes:
     return b"".join(parts)
 
 
-try:
-    from hiredis import pack_command
-except ImportError:  # an install without hiredis (redis-py's parser is then Python's too)
-    pack_command = pack_in_python
+def _packer() -> Callable[[Sequence[Any]], bytes]:
+    """hiredis's pack_command, or pack_in_python in an install without hiredis."""
+    try:
+        from hiredis import pack_command as packer
+    except ImportError:
+        return pack_in_python
+    return cast(Callable[[Sequence[Any]], bytes], packer)
+
+
+pack_command = _packer()
 
 
 _MULTI, _EXEC = pack_command(("MULTI",)), pack_command(("EXEC",))
