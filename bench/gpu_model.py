@@ -90,9 +90,13 @@ def serial_rates(handler: Handler, slots: np.ndarray, device: torch.device, vari
                  sizes: list[int], args: argparse.Namespace) -> dict[int, float]:
     """Images/s of the worker's device path, one batch at a time."""
     runner = ModelRunner(handler, device, slots, max(sizes), variant)
+
+    def batch_of(size: int) -> Callable[[], Any]:
+        return lambda: runner.run(list(range(size)), [{}] * size)
+
     try:
-        return {size: size / timed(lambda s=size: runner.run(list(range(s)), [{}] * s),
-                                   device, args.runs, args.warmup) for size in sizes}
+        return {size: size / timed(batch_of(size), device, args.runs, args.warmup)
+                for size in sizes}
     finally:
         runner.close()
 
