@@ -104,7 +104,10 @@ class StepBatch:
     """The index tensors of one step, built once and shared by every layer."""
 
     def __init__(self, chunks: Sequence[Chunk]) -> None:
-        ids, pos, slots, last = [], [], [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        last: list[int] = []
         for c in chunks:
             n = len(c.tokens)
             ids += c.tokens
@@ -178,8 +181,8 @@ class Llama:
                    k_cache: torch.Tensor, v_cache: torch.Tensor,
                    batch: StepBatch) -> torch.Tensor:
         cfg, d = self.cfg, self.cfg.head_dim
-        q, k, v = F.linear(h, layer.qkv).split(
-            [cfg.heads * d, cfg.kv_heads * d, cfg.kv_heads * d], dim=-1)
+        q, k, v = torch.split(F.linear(h, layer.qkv),
+                              [cfg.heads * d, cfg.kv_heads * d, cfg.kv_heads * d], dim=-1)
         q = _rope(q.view(-1, cfg.heads, d), cos, sin)
         k_cache[batch.slots] = _rope(k.reshape(-1, cfg.kv_heads, d), cos, sin)
         v_cache[batch.slots] = v.reshape(-1, cfg.kv_heads, d)
