@@ -18,17 +18,20 @@ smollm2_135m model, driven four ways on the same clock:
 Reports tokens/s (answer tokens over the span from the first arrival to the last answer),
 time to first token p50/p99 (from each request's arrival), steps, and the process's CPU
 time per answer token (the figure that holds on a busy machine, where wall time does not);
-the ratios last, the CPU ones too.
+the ratios last, the CPU ones too. Writes bench/out/generate_engine.csv.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import os
 import random
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from redbatch.gpu_worker.generation.engine import Engine, EngineConfig
@@ -36,6 +39,8 @@ from redbatch.gpu_worker.generation.model import Llama, load_weights
 from redbatch.gpu_worker.generation.sampling import SamplingParams
 from redbatch.gpu_worker.generation.scheduler import SchedulerConfig
 from redbatch.handlers import smollm2
+
+OUT = Path(__file__).resolve().parent / "out" / "generate_engine.csv"
 
 LENGTHS = (8, 16, 32, 64)
 QUESTIONS = (
@@ -147,6 +152,18 @@ def report(run: Run) -> None:
           "CPU ms/token")
 
 
+def write_csv(runs: list[Run]) -> None:
+    OUT.parent.mkdir(exist_ok=True)
+    with OUT.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["mode", "tokens", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "steps",
+                    "span_s", "cpu_ms_per_token"])
+        for r in runs:
+            w.writerow([r.name, r.tokens, round(r.tokens_per_s, 2), round(r.ttft(0.5)),
+                        round(r.ttft(0.99)), r.steps, round(r.span_s, 2),
+                        round(r.cpu_s / r.tokens * 1000, 1)])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=16)
@@ -175,6 +192,10 @@ def main() -> None:
              drive("shared prompt, prefix cache", model, shared, continuous, cached)]
     for run in runs:
         report(run)
+    write_csv(runs)
+    load = os.getloadavg()[0]
+    print(f"load average {load:.1f}" + ("  (busy machine: trust the CPU ratios over the wall "
+                                        "ones)" if load > 1.5 else ""))
     one, stat, cont, nocache, hit = runs
     print(f"prompt tokens, shared-prompt mix: {statistics.mean(len(j.prompt) for j in shared):.0f}"
           f" a request on average")

@@ -57,8 +57,9 @@ def load_weights() -> Weights:
 
     def get(name: str) -> torch.Tensor:
         t = raw[name]
-        return torch.from_numpy(np.array(quants.dequantize(t.data, t.tensor_type),
-                                         dtype=np.float32))
+        values = np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        # F32 tensors come back as views of the read-only mapped file: copy those only.
+        return torch.from_numpy(values if values.flags.writeable else values.copy())
 
     def layer(i: int) -> Layer:
         p = f"blk.{i}."
