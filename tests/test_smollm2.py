@@ -9,6 +9,7 @@ costs seconds; handlers/smollm2.py and gpu_worker/generation/model.py cache it p
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,15 @@ SMALL_KV = 32 * 2**20      # 45 blocks of 16 tokens
 
 
 @pytest.fixture(scope="module")
-def model() -> Llama:
-    torch.manual_seed(0)
-    return Llama(load_weights())
+def model() -> Iterator[Llama]:
+    """One torch thread while this module runs: the suite runs in two processes on two
+    cores, and idle OpenMP threads spin on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield Llama(load_weights())
+    finally:
+        torch.set_num_threads(threads)
 
 
 def engine(model: Llama, clock: Any = None, kv: int = SMALL_KV, **scheduler: int) -> Engine:
