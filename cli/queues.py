@@ -178,10 +178,15 @@ _PARTITION = click.option(
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many.")
 @_PARTITION
 def dlq_list(limit: int | None, partition: int | None, **options: Any) -> None:
-    """Print one JSON line per dead letter, oldest first, with its partition."""
+    """Print one JSON line per dead letter, oldest first, with its partition; with none,
+    say so in one line on stderr (stdout stays JSON lines only)."""
     r, keys = _dlq_target(options)
-    for entry in _or_bad_input(lambda: list(dead_letters.entries(r, keys, limit, partition))):
+    found = _or_bad_input(lambda: list(dead_letters.entries(r, keys, limit, partition)))
+    for entry in found:
         click.echo(json.dumps(entry))
+    if not found:
+        where = "" if partition is None else f" in partition {partition}"
+        click.echo(f"no dead letters of model {keys.model!r}{where}", err=True)
 
 
 @dlq.command("retry")

@@ -7,9 +7,10 @@ look-up of its reply callback, a pack of the command on its own, and a parse of 
 it reads each reply only for errors and one integer. :class:`Commands` records the commands
 through redis-py's own command methods (so their arguments are built as redis-py builds
 them), and :func:`exec_transaction` packs ``MULTI``, the commands and ``EXEC`` into one
-buffer (each command by hiredis, in C), sends it in one write, and returns EXEC's replies
-as the parser gives them: bytes, integers, lists, and the error replies of single commands
-as ResponseError values.
+buffer (each command by hiredis, in C, or in Python where hiredis is not installed: redis-py
+works without it), sends it in one write, and returns EXEC's replies as the parser gives
+them: bytes, integers, lists, and the error replies of single commands as ResponseError
+values.
 
 Errors follow the Pipeline's so that the caller's NOTE [ Write failures ] holds: a dropped
 connection or a timeout raises ConnectionError / TimeoutError, and a transaction Redis
@@ -33,13 +34,12 @@ NOTE [ WAIT after the write ]
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
 import redis.cluster
-from hiredis import pack_command
 from redbatch.common.redis_io import REDIS_ERRORS, is_cluster, node_client, refresh_slots
 from redis.commands.core import CoreCommands
 from redis.crc import key_slot
@@ -92,6 +92,36 @@ class Commands(CoreCommands):
 
     def __len__(self) -> int:
         return len(self.args)
+
+
+def pack_in_python(args: Sequence[Any]) -> bytes:
+    """One command as a RESP array of bulk strings, byte for byte what hiredis's
+    ``pack_command`` makes: bytes as they are, str as UTF-8, int and float as their
+    decimal text (repr, as redis-py's encoder writes a float). TypeError for anything else."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        if isinstance(arg, bytes):
+            data = arg
+        elif isinstance(arg, str):
+            data = arg.encode()
+        elif isinstance(arg, (int, float)) and not isinstance(arg, bool):
+            data = repr(arg).encode()
+        else:
+            raise TypeError(f"cannot pack a {type(arg).__name__} into a Redis command")
+        parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+def _packer() -> Callable[[Sequence[Any]], bytes]:
+    """hiredis's pack_command, or pack_in_python in an install without hiredis."""
+    try:
+        from hiredis import pack_command as packer
+    except ImportError:
+        return pack_in_python
+    return cast(Callable[[Sequence[Any]], bytes], packer)
+
+
+pack_command = _packer()
 
 
 _MULTI, _EXEC = pack_command(("MULTI",)), pack_command(("EXEC",))
