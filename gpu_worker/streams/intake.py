@@ -436,8 +436,10 @@ class Intake:
                 out.append([])
             else:
                 out.append(_entries(reply))
-        self.faults.served([stream for (stream, _), reply in zip(asks, replies, strict=True)
-                            if not isinstance(reply, redis.RedisError)])
+        if self.faults.any:
+            self.faults.served([stream for (stream, _), reply in zip(asks, replies,
+                                                                    strict=True)
+                                if not isinstance(reply, redis.RedisError)])
         return out
 
     def _decode(self, stream: str, entry: StreamEntry, now_ms: float, now_s: float,
