@@ -54,6 +54,13 @@ from redbatch.handlers.base import Handler
 
 logger = logging.getLogger(__name__)
 
+# NOTE [ First calls ]
+#   A model's first call at a batch size compiles it (torch.compile) or initialises lazily
+#   (autocast, oneDNN). Two CPU lanes doing that at once deadlocked inside torch (one leaving
+#   autocast, the other tracing in dynamo: issue 27) or compiled a size twice. So a first
+#   call, autocast and inference mode entered and left, holds this lock, one per process
+#   (dynamo's caches are process-wide); later calls at that size never take it.
+FIRST_CALLS = threading.Lock()
 
 
 class BatchSizeMismatch(RuntimeError):
@@ -121,11 +128,9 @@ class ModelRunner:
             self.depth, thread_name_prefix="redbatch-lane",
             initializer=use_compile_settings if self.variant.compile else None) \
             if not cuda and self.depth > 1 else None
-        # Compiled models: the first call at a new size compiles it. Two lanes doing that
-        # at once compile it twice and use up torch's recompile limit; the first call at
-        # each size holds this lock.
-        self._first_call_lock = threading.Lock()
-        self._compiled_sizes: set[int] = set()
+        #: Batch sizes the model has run (a compiled one: has a graph for); a size's first
+        #: call holds FIRST_CALLS (NOTE [ First calls ]).
+        self._sizes_run: set[int] = set()
         #: False once ``warmup`` is done: from then on a compile is a surprise worth a warning.
         self._warming = True
         # Calibration's runners share buffers: they wait for each batch before the next.
@@ -222,7 +227,7 @@ class ModelRunner:
         if not self.variant.compile:
             return size
         # A copy (one C call, under the GIL): a lane thread may add a size meanwhile.
-        return min((s for s in self._compiled_sizes.copy() if s >= size), default=size)
+        return min((s for s in self._sizes_run.copy() if s >= size), default=size)
 
     def _gather(self, slot_ids: Sequence[int], size: int) -> tuple[torch.Tensor, int]:
         turn, self._turn = self._turn, (self._turn + 1) % len(self._host)
@@ -247,15 +252,15 @@ class ModelRunner:
     def _run_now(self, job: InFlight, host: torch.Tensor) -> None:
         """CPU: the forward pass, here or in a lane thread; a failure is kept in ``job``."""
         start = time.perf_counter()
-        first = self.variant.compile and len(host) not in self._compiled_sizes
-        if first and self._compiled_sizes and not self._warming:
+        first = len(host) not in self._sizes_run
+        if first and self.variant.compile and self._sizes_run and not self._warming:
             logger.warning("compiling batch size %d while serving (it was not warmed up)",
                            len(host))
         try:
-            with torch.inference_mode(), self._precision(), \
-                    self._first_call_lock if first else nullcontext():
-                outputs = self._model(self._format(host))
-                self._compiled_sizes.add(len(host))
+            with FIRST_CALLS if first else nullcontext():
+                with torch.inference_mode(), self._precision():
+                    outputs = self._model(self._format(host))
+                self._sizes_run.add(len(host))
             # The output must not alias the host buffer, which a later batch overwrites.
             job.outputs = outputs.clone() if _shares_memory(outputs, host) else outputs
         except Exception as e:
