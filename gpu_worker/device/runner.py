@@ -49,6 +49,7 @@ from redbatch.gpu_worker.device.prepare import (
     total_memory,
     use_compile_settings,
 )
+from redbatch.gpu_worker.device.watchdog import Watch, unwatched
 from redbatch.gpu_worker.tuning.profile import Variant
 from redbatch.handlers.base import Handler
 
@@ -160,24 +161,23 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ warm-up
 
-    def warmup(self, sizes: Sequence[int]) -> dict[int, float]:
-        """Run each batch size on every lane, then once more timed, so first requests don't
-        pay for lazy init (on CUDA, cuDNN's per-shape benchmarking; compiled models, the
-        compilation); returns the warm run's time of each size in seconds. On CUDA also
-        learns the activation memory per item."""
+    def warmup(self, sizes: Sequence[int], watch: Watch = unwatched) -> dict[int, float]:
+        """Run each batch size on every lane, then once more timed, inside ``watch``, so
+        first requests don't pay for lazy init (CUDA: cuDNN's benchmarking; compiling);
+        returns the warm run's time of each size in seconds. CUDA: learns memory per item."""
         timings = {}
         for size in sorted({min(s, self.max_batch_size) for s in sizes}):
             ids = list(range(min(size, len(self._slots))))
             pad = size if size > len(ids) else None
-            # Every lane thread once, all at once: a thread's first forward pass (and a
-            # compiled model's guards in it) is paid here rather than by a request. A
-            # model failing here fails the start.
-            for job in [self.submit(ids, [{}] * len(ids), pad) for _ in range(self.depth)]:
-                self.finish(job)
-            start = time.perf_counter()
-            self._peak_reset()
-            self.run(ids, [{}] * len(ids), pad)
-            timings[size] = time.perf_counter() - start
+            # Every lane thread once: a thread's first forward pass (a compiled model's
+            # guards in it) is paid here, not by a request. A failure fails the start.
+            with watch(f"warm-up at batch {size} ({self.variant.name})"):
+                for job in [self.submit(ids, [{}] * len(ids), pad) for _ in range(self.depth)]:
+                    self.finish(job)
+                start = time.perf_counter()
+                self._peak_reset()
+                self.run(ids, [{}] * len(ids), pad)
+                timings[size] = time.perf_counter() - start
             self._learn_memory(size)
             logger.info("warm-up batch %d: %.1f ms", size, timings[size] * 1000)
         self._warming = False
