@@ -1,7 +1,7 @@
 """Every Prometheus metric of a worker, and the HTTP server for /metrics, /healthz, /readyz.
 
-The metric contract (README "Metrics and health"; the Grafana dashboard and the Prometheus
-config use these names). Every metric has the label ``model``; others are listed. Gauges
+The metric contract (docs/operations.md "Metrics and health"; the Grafana dashboard and the
+Prometheus config use these names). Every metric has the label ``model``; others are listed. Gauges
 marked "sampled" are refreshed every 1-2 s; everything else is recorded as it happens.
 
   counters

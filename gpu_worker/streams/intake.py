@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
+from redbatch.common.config import Settings, default_of
 from redbatch.common.protocol import (
     FIELD_ADMITTED,
     FIELD_CANCEL,
@@ -131,7 +132,8 @@ class Intake:
     """Reads and validates entries for one consumer of one model's group."""
 
     def __init__(self, r: redis.Redis, keys: Keys, consumer: str, max_payload_bytes: int,
-                 reclaim_idle_ms: int = 60_000, max_deliveries: int = 3) -> None:
+                 reclaim_idle_ms: int = default_of(Settings, "reclaim_idle_ms"),
+                 max_deliveries: int = default_of(Settings, "max_deliveries")) -> None:
         self._redis = r
         # XREADGROUP's replies parsed in one pass here (_entries), not by redis-py's chain
         # of callbacks per entry: this client is intake's own, and only intake reads.
