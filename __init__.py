@@ -37,6 +37,8 @@ if TYPE_CHECKING:
         ProtocolError,
         QueueFull,
         RedbatchError,
+        RedisRefusedCall,
+        RedisUnreachable,
         Result,
         ResultTimeout,
         ResultUnreadable,
@@ -47,8 +49,8 @@ if TYPE_CHECKING:
 #: the CLI does not load the client).
 __all__ = ["AsyncClient", "AsyncJobHandle", "Client", "DuplicateRequestId", "ErrorCode",
            "JobCancelled", "JobFailed", "JobHandle", "JobState", "JobStatus", "Lane",
-           "ProtocolError", "QueueFull", "RedbatchError", "Result", "ResultTimeout",
-           "ResultUnreadable"]
+           "ProtocolError", "QueueFull", "RedbatchError", "RedisRefusedCall",
+           "RedisUnreachable", "Result", "ResultTimeout", "ResultUnreadable"]
 #: Where each comes from: the protocol's two, the client module the rest.
 _EXPORTS = {name: "redbatch.common.protocol" if name in ("ErrorCode", "Lane")
             else "redbatch.producer.client" for name in __all__}
