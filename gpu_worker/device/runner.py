@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from redbatch.common.config import TuneSettings, default_of
 from redbatch.common.protocol import ErrorCode
+from redbatch.gpu_worker.device.first_calls import FIRST_CALLS
 from redbatch.gpu_worker.device.prepare import (
     AUTOCAST_DTYPES,
     next_batch_limit,
@@ -54,14 +55,6 @@ from redbatch.gpu_worker.tuning.profile import Variant
 from redbatch.handlers.base import Handler
 
 logger = logging.getLogger(__name__)
-
-# NOTE [ First calls ]
-#   A model's first call at a batch size compiles it (torch.compile) or initialises lazily
-#   (autocast, oneDNN). Two CPU lanes doing that at once deadlocked inside torch (one leaving
-#   autocast, the other tracing in dynamo: issue 27) or compiled a size twice. So a first
-#   call, autocast and inference mode entered and left, holds this lock, one per process
-#   (dynamo's caches are process-wide); later calls at that size never take it.
-FIRST_CALLS = threading.Lock()
 
 
 class BatchSizeMismatch(RuntimeError):
@@ -252,20 +245,27 @@ class ModelRunner:
     def _run_now(self, job: InFlight, host: torch.Tensor) -> None:
         """CPU: the forward pass, here or in a lane thread; a failure is kept in ``job``."""
         start = time.perf_counter()
-        first = len(host) not in self._sizes_run
-        if first and self.variant.compile and self._sizes_run and not self._warming:
-            logger.warning("compiling batch size %d while serving (it was not warmed up)",
-                           len(host))
         try:
-            with FIRST_CALLS if first else nullcontext():
-                with torch.inference_mode(), self._precision():
-                    outputs = self._model(self._format(host))
-                self._sizes_run.add(len(host))
+            outputs = self._forward(host) if len(host) in self._sizes_run \
+                else self._first_call(host)
             # The output must not alias the host buffer, which a later batch overwrites.
             job.outputs = outputs.clone() if _shares_memory(outputs, host) else outputs
         except Exception as e:
             job.error = e
         job.compute_s = time.perf_counter() - start
+
+    def _forward(self, host: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode(), self._precision():
+            return self._model(self._format(host))
+
+    def _first_call(self, host: torch.Tensor) -> torch.Tensor:
+        """The first call at a size, alone in the process (NOTE [ First calls ])."""
+        if self.variant.compile and self._sizes_run and not self._warming:
+            logger.warning("compiling batch size %d while serving (not warmed up)", len(host))
+        with FIRST_CALLS:
+            outputs = self._forward(host)
+            self._sizes_run.add(len(host))
+        return outputs
 
     def _enqueue(self, job: InFlight, host: torch.Tensor, turn: int) -> None:
         with torch.cuda.stream(self._copy_stream):
