@@ -51,6 +51,8 @@ if TYPE_CHECKING:
                   "would use.")
 @o.MEMORY_WATERMARK(help="CUDA: share of device memory the sweep leaves free.")
 @o.ALLOW_REDUCED_PRECISION()
+@o.WARMUP_TIMEOUT_S(help="A run at one batch size (on every lane; the first "
+                   "compiles it) taking longer, seconds, means a hung device: fail (code 3).")
 @o.PROFILE_DIR(help="Where profiles are stored (default: ~/.cache/redbatch/profiles).")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="Profile file to write [default: <profile dir>/<model>--<device>.json].")
@@ -70,6 +72,7 @@ def calibrate(**options: Any) -> None:
     setup_logging(options.pop("log_level"))
     # Imported here: torch loads with these, which the other commands never need.
     from redbatch.gpu_worker.device.prepare import choose_torch_threads, cpu_lanes, resolve_device
+    from redbatch.gpu_worker.device.watchdog import Watchdog
     from redbatch.gpu_worker.tuning.calibrate import calibrate_to_file
 
     try:
@@ -81,13 +84,24 @@ def calibrate(**options: Any) -> None:
                                    lanes)
     out = Path(options["out"]) if options["out"] else None
     try:
-        profile, path = calibrate_to_file(
-            options["model_spec"], options["device"], threads, _settings(options, lanes), out,
-            options["profile_dir"], click.echo)
+        with Watchdog(options["warmup_timeout_s"], _hung) as dog:
+            profile, path = calibrate_to_file(
+                options["model_spec"], options["device"], threads, _settings(options, lanes),
+                out, options["profile_dir"], click.echo, dog.watch)
     except ValueError as e:  # a bad --model, --device or --variant
         raise click.ClickException(str(e)) from e
     click.echo(format_table(profile))
     click.echo(f"profile written to {path}")
+
+
+def _hung(stage: str, timeout_s: float) -> None:
+    """The watchdog's answer to a stuck run: one line, then exit 3 at once (the stuck
+    thread cannot be stopped, so no normal exit)."""
+    from redbatch.gpu_worker.device.watchdog import DEVICE_EXIT_CODE, exit_now
+
+    click.echo(f"Error: calibration hung: {stage} did not return within {timeout_s:g} s "
+               "(--warmup-timeout-s); the device or torch is stuck", err=True)
+    exit_now(DEVICE_EXIT_CODE)
 
 
 def _settings(options: dict[str, Any], lanes: int) -> CalibrationSettings:

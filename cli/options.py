@@ -19,6 +19,7 @@ from redbatch.common.config import (
     ModelSettings,
     PoolSettings,
     RedisSettings,
+    Settings,
     TuneSettings,
     check_redis_url,
     default_of,
@@ -134,6 +135,11 @@ CPU_LANES = option("--cpu-lanes", env="CPU_LANES", type=click.IntRange(min=0),
 MEMORY_WATERMARK = option("--memory-watermark", env="MEMORY_WATERMARK",
                           type=click.FloatRange(0, 0.9),
                           default=default_of(TuneSettings, "memory_watermark"))
+WARMUP_TIMEOUT_S = option(
+    "--warmup-timeout-s", env="WARMUP_TIMEOUT_S", type=click.FloatRange(min=0.1),
+    default=default_of(Settings, "warmup_timeout_s"),
+    help="A warm-up or calibration run (one batch size on every lane; the first compiles "
+         "it) taking longer, seconds, means a hung device: exit (code 3).")
 PROFILE_DIR = option("--profile-dir", env="PROFILE_DIR",
                      default=default_of(TuneSettings, "profile_dir"),
                      help="Calibration profiles directory (default: ~/.cache/redbatch/profiles).")

@@ -8,7 +8,6 @@ with :func:`default_of`.
 from __future__ import annotations
 
 import signal
-import sys
 from typing import Any
 
 import click
@@ -97,6 +96,7 @@ _job_options = together(
     opt("--batch-timeout-s", env="BATCH_TIMEOUT_S", type=click.FloatRange(min=0.1),
         default=default_of(Settings, "batch_timeout_s"),
         help="A batch running longer means a hung device: exit (code 3) for a restart."),
+    o.WARMUP_TIMEOUT_S(),
     opt("--result-replicas", env="RESULT_REPLICAS", type=click.IntRange(min=0),
         default=default_of(Settings, "result_replicas"),
         help="After each write of results, wait (Redis WAIT) for this many replicas to "
@@ -166,6 +166,7 @@ def worker(**options: Any) -> None:
     except ValueError as e:  # a bad --prefix, --model-name or --shm-prefix: one line
         raise click.ClickException(str(e)) from e
     # Imported here: torch loads with it, which the other commands never need.
+    from redbatch.gpu_worker.device.watchdog import DEVICE_EXIT_CODE, exit_now
     from redbatch.gpu_worker.worker import Worker
 
     w = Worker(settings)
@@ -179,7 +180,9 @@ def worker(**options: Any) -> None:
                 raise Interrupted("interrupted while waiting for Redis") from None
             raise
     if w.device_failed:
-        sys.exit(3)  # for the supervisor: restart me
+        # For the supervisor: restart me. Not sys.exit: a lane thread stuck in the device
+        # would keep the interpreter from exiting (NOTE [ Device watchdog ]).
+        exit_now(DEVICE_EXIT_CODE)
 
 
 def _explicit(ctx: click.Context) -> frozenset[str]:
@@ -223,6 +226,7 @@ def build_settings(options: dict[str, Any]) -> Settings:
         metrics_port=options["metrics_port"],
         metrics_host=options["metrics_host"],
         batch_timeout_s=options["batch_timeout_s"],
+        warmup_timeout_s=options["warmup_timeout_s"],
         result_replicas=options["result_replicas"],
         result_wait_ms=options["result_wait_ms"],
     )

@@ -392,6 +392,11 @@ class Settings:
     #: A batch running longer than this, seconds, means a hung device or model: the worker
     #: exits (code 3) for its supervisor to restart it, and its jobs are taken over.
     batch_timeout_s: float = 120.0
+    #: A device call before serving (one warm-up or calibration run at a batch size on every
+    #: lane; the first at a size compiles it: 5-35 s on CPU, longer on a busy machine)
+    #: taking longer than this, seconds, means a hung device or a deadlock in torch: the
+    #: worker exits (code 3), ``redbatch calibrate`` fails (NOTE [ Device watchdog ]).
+    warmup_timeout_s: float = 600.0
     #: Replicas each write of results waits for (Redis WAIT, once per write, on the
     #: connection that wrote): 0 does not wait. RELIABILITY.md "What a failover can lose".
     result_replicas: int = 0

@@ -36,6 +36,7 @@ from redbatch.gpu_worker.batching.shaping import (
 )
 from redbatch.gpu_worker.device import malloc_tuning
 from redbatch.gpu_worker.device.runner import ModelRunner
+from redbatch.gpu_worker.device.watchdog import Watchdog
 from redbatch.gpu_worker.metrics import Health, WorkerMetrics
 from redbatch.gpu_worker.outbox import Outbox
 from redbatch.gpu_worker.streams.intake import Intake, Job
@@ -166,7 +167,7 @@ def build(s: Settings, metrics: WorkerMetrics, health: Health,
         runner = load_model(each, t.tuned, t.handler, its_slots, t.latency, its_metrics)
         stack.callback(runner.close)
         if isinstance(t.batcher, ShapedBatcher) and each.tune.calibrate != "off":
-            seed_shapes(t.batcher, t.handler, runner, its_slots)
+            seed_shapes(t.batcher, t.handler, runner, its_slots, each.warmup_timeout_s)
         runners.append((runner, its_metrics))
     health.model_loaded = True
     models = []
@@ -263,8 +264,10 @@ def load_model(s: Settings, tuned: Tuned, handler: Handler, slots: SlotArray,
                          variant, model=model,
                          memory_watermark=s.tune.memory_watermark, lanes=tuned.lanes)
     sizes = warmup_sizes(s.batch.max_batch_size, tuned.preferred_sizes, runner.pipelined)
-    with longest_inputs(handler, slots.array, s.batch.max_batch_size):
-        warm = runner.warmup(sizes)
+    # A hung warm-up ends the worker with code 3 (NOTE [ Device watchdog ]).
+    with longest_inputs(handler, slots.array, s.batch.max_batch_size), \
+            Watchdog(s.warmup_timeout_s) as dog:
+        warm = runner.warmup(sizes, dog.watch)
     for size, seconds in warm.items():
         if size not in tuned.latency_s:  # measured times from the profile are better
             latency.observe(size, seconds)
@@ -275,14 +278,16 @@ def load_model(s: Settings, tuned: Tuned, handler: Handler, slots: SlotArray,
 
 
 def seed_shapes(batcher: ShapedBatcher[Job], handler: Handler, runner: ModelRunner,
-                slots: SlotArray) -> None:
+                slots: SlotArray, timeout_s: float) -> None:
     """Time a few (rows, padded length) shapes on the model and start the batcher's run-time
-    line from them (gpu_worker/tuning/shapes.py), before any job is read."""
+    line from them (gpu_worker/tuning/shapes.py), before any job is read; a shape's runs
+    taking over ``timeout_s`` end the worker (code 3)."""
     if not can_measure(handler):
         return
     grid = shape_grid(batcher.max_batch_size, batcher.shape.edges[-1],
                       batcher.shape.max_batch_tokens)
-    seconds = measure_shapes(handler, runner, slots.array, grid)
+    with Watchdog(timeout_s) as dog:
+        seconds = measure_shapes(handler, runner, slots.array, grid, dog.watch)
     batcher.seed(seconds)
     a, b = batcher.token_run_time(0, 0), batcher.token_run_time(1, 1000) - \
         batcher.token_run_time(0, 0)

@@ -6,7 +6,7 @@ import os
 import re
 import secrets
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import psutil
@@ -21,7 +21,7 @@ from redbatch.cli.local_stack import (
     wait_worker_ready,
 )
 from redbatch.cli.redis_server import RedisServer, RedisServerError, find_redis_server
-from redbatch.common.config import model_name_from_spec
+from redbatch.common.config import Settings, model_name_from_spec
 from redbatch.common.protocol import Keys
 from redbatch.common.redis_io import connect
 from redbatch.producer.client import Client
@@ -199,6 +199,18 @@ def no_shared_memory_left_behind() -> Iterator[None]:
         time.sleep(0.2)
     left = shm_entries() - before
     assert not left, f"left in /dev/shm by the tests: {sorted(left)}"
+
+
+def worker_settings(env: Mapping[str, str], *args: str) -> Settings:
+    """The Settings ``redbatch worker ARGS`` builds where its only REDBATCH_* variables are
+    ``env``'s: parsed, and explicit settings told apart, as the command does; not run."""
+    from click.testing import CliRunner
+    from redbatch.cli.worker import _explicit, build_settings, worker
+
+    unset: dict[str, str | None] = {k: None for k in os.environ if k.startswith("REDBATCH_")}
+    with CliRunner().isolation(env={**unset, **env}):
+        ctx = worker.make_context("worker", list(args))
+        return build_settings({**ctx.params, "explicit": _explicit(ctx)})
 
 
 def settings_free_env() -> dict[str, str]:

@@ -2,7 +2,7 @@
 
 No Docker engine runs where the tests do, so the tests read the files themselves:
 compose.yaml with its ${VAR:-default} interpolation resolved from an empty environment
-(the file's own defaults), bind mounts mapped back to the checkout, the PromQL in the
+(the file's own defaults) or a given one, bind mounts mapped back to the checkout, the PromQL in the
 dashboard, and a worker's /metrics text.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,31 +25,40 @@ PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 _VARIABLE = re.compile(r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?P<op>:?[-?])?(?P<arg>[^}]*)\}")
 
 
-def interpolate(value: str) -> str:
-    """Compose interpolation with no variable set: `${A:-x}` and `${A-x}` give x, `${A}` "".
+def interpolate(value: str, env: Mapping[str, str] | None = None) -> str:
+    """Compose interpolation from the variables ``env`` (none by default): `${A:-x}` gives
+    x when A is unset or empty, `${A-x}` when it is unset, `${A}` A's value or "".
 
-    `${A:?message}` (a required variable) raises, as `docker compose` would fail.
+    `${A:?message}` (a required variable) raises when unset or empty, `${A?message}` when
+    unset, as `docker compose` would fail.
     """
+    env = env or {}
+
     def resolve(m: re.Match[str]) -> str:
         if m.group(0) == "$$":
             return "$"
-        if m.group("op") in (":?", "?"):
-            raise ValueError(f"compose.yaml requires ${{{m.group('name')}}} to be set")
-        return m.group("arg") if m.group("op") else ""
+        name, op = m.group("name"), m.group("op") or ""
+        missing = name not in env or (op.startswith(":") and not env[name])
+        if op.endswith("?") and missing:
+            raise ValueError(f"compose.yaml requires ${{{name}}} to be set")
+        if op.endswith("-") and missing:
+            return m.group("arg")
+        return env.get(name, "")
     return _VARIABLE.sub(resolve, value)
 
 
-def _interpolate_all(node: Any) -> Any:
+def _interpolate_all(node: Any, env: Mapping[str, str] | None) -> Any:
     if isinstance(node, dict):
-        return {k: _interpolate_all(v) for k, v in node.items()}
+        return {k: _interpolate_all(v, env) for k, v in node.items()}
     if isinstance(node, list):
-        return [_interpolate_all(v) for v in node]
-    return interpolate(node) if isinstance(node, str) else node
+        return [_interpolate_all(v, env) for v in node]
+    return interpolate(node, env) if isinstance(node, str) else node
 
 
-def load_compose() -> dict[str, Any]:
-    """compose.yaml with YAML anchors and merge keys expanded and variables at their defaults."""
-    return _interpolate_all(yaml.safe_load((ROOT / "compose.yaml").read_text()))  # type: ignore[no-any-return]
+def load_compose(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """compose.yaml with YAML anchors and merge keys expanded and variables from ``env``
+    (the shell or .env beside the file), by default none: at their defaults."""
+    return _interpolate_all(yaml.safe_load((ROOT / "compose.yaml").read_text()), env)  # type: ignore[no-any-return]
 
 
 def redbatch_services(compose: dict[str, Any]) -> list[str]:

@@ -98,3 +98,53 @@ class Flaky(EfficientNetLite0):
 
 def flaky(limits: LimitSettings) -> Flaky:
     return Flaky(limits)
+
+
+HANG = b"HANGMODEL"  # the model's forward pass never returns on a batch holding this
+
+
+class HangsInForward(EfficientNetLite0):
+    """A forward pass stuck in the device, as a hung kernel or a deadlock in torch would be:
+    ``hangs_in_forward`` on a batch holding a HANG payload (in a CPU lane thread),
+    ``hangs_at_warmup`` on every batch, ``hangs_under_autocast`` in autocast variants only
+    (calibration's bf16/fp16). The thread waits for ever, leaving the GIL as torch does."""
+
+    def __init__(self, limits: LimitSettings, when: str) -> None:
+        super().__init__(limits)
+        self.when = when
+
+    def preprocess(self, payload: bytes, content_type: str, params: Mapping[str, Any],
+                   out: np.ndarray) -> None:
+        if payload.startswith(HANG):
+            out[...] = 2000.0
+            return
+        super().preprocess(payload, content_type, params, out)
+
+    def load(self, device: Any) -> Any:
+        import threading
+
+        import torch
+
+        model = super().load(device)
+        when = self.when
+
+        def forward(batch: Any) -> Any:
+            marked = bool((batch[:, 0, 0, 0] == 2000.0).any())
+            if when == "always" or (when == "marked" and marked) \
+                    or (when == "autocast" and torch.is_autocast_enabled("cpu")):
+                threading.Event().wait()
+            return model(batch)
+
+        return forward
+
+
+def hangs_in_forward(limits: LimitSettings) -> HangsInForward:
+    return HangsInForward(limits, "marked")
+
+
+def hangs_at_warmup(limits: LimitSettings) -> HangsInForward:
+    return HangsInForward(limits, "always")
+
+
+def hangs_under_autocast(limits: LimitSettings) -> HangsInForward:
+    return HangsInForward(limits, "autocast")

@@ -242,3 +242,23 @@ def test_calibration_samples_are_the_photos_and_repeatable_crops_of_them() -> No
     assert len(sizes) > 30, "crops of many sizes"
     pairs = EfficientNetLite0(LimitSettings()).calibration_samples(5)
     assert [c for _, c in pairs] == ["image/jpeg"] * 5 and [p for p, _ in pairs] == samples[:5]
+
+
+def test_a_variant_that_hangs_ends_calibration_with_one_line_and_code_3(tmp_path: Path) -> None:
+    # issue 27: `redbatch calibrate` sat for ever in a deadlocked run. Each run is now
+    # bounded (--warmup-timeout-s): a stuck one ends it, naming the variant and size.
+    import os
+
+    out = tmp_path / "p.json"
+    tests = str(Path(__file__).resolve().parent)
+    proc = subprocess.run(
+        [sys.executable, "-m", "redbatch.cli", "calibrate", "--device", "cpu",
+         "--model", "handlers_for_tests:hangs_under_autocast", "--variant", "eager",
+         "--variant", "bf16", "--max-batch-size", "2", "--runs", "1", "--warmup-runs", "0",
+         "--rounds", "1", "--warmup-timeout-s", "3", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": tests})
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "Error: calibration hung: calibration, bf16 at batch 1 did not return within 3 s "
+        "(--warmup-timeout-s); the device or torch is stuck"], proc.stderr
+    assert "eager" in proc.stdout and not out.exists()

@@ -19,6 +19,7 @@ from conftest import (
     marked_env,
     processes_with_mark,
     shm_entries,
+    worker_settings,
 )
 from redbatch.cli import main
 from redbatch.cli.worker import build_settings, worker
@@ -199,3 +200,37 @@ def test_every_command_says_what_it_does_without_redis(command: list[str]) -> No
     private = command[0] in ("submit", "score")
     assert ("a private redis-server and worker are started" in flat) is private, flat
     assert ("[default: redis://localhost:6379/0]" in flat) is not private, flat
+
+
+@pytest.mark.parametrize("env, served", [
+    ({}, 48),
+    ({"REDBATCH_MAX_BATCH_SIZE": ""}, 48),  # what compose passes when nothing is set
+    ({"REDBATCH_MAX_BATCH_SIZE": "", "REDBATCH_MAX_INFLIGHT": "", "REDBATCH_MAX_WAIT_MS": ""},
+     48),
+    ({"REDBATCH_MAX_BATCH_SIZE": "12"}, 12),
+])
+def test_an_unset_or_empty_variable_leaves_the_batch_size_to_the_profile(
+        env: dict[str, str], served: int) -> None:
+    # issue 27: an environment variable counts as an explicit setting, which a profile
+    # never overrides; an empty one must not.
+    from redbatch.gpu_worker.tuning.apply import apply_profile
+    from redbatch.gpu_worker.tuning.profile import (
+        Choice,
+        DeviceInfo,
+        Measured,
+        Profile,
+        Row,
+        Variant,
+    )
+
+    rows = (Row(1, 10.0, 11.0, 3), Row(48, 80.0, 90.0, 3))
+    profile = Profile("m", "m", "sha256:1", DeviceInfo("cpu", "x", 2), "2.13", "now",
+                      {"latency_budget_ms": "auto", "max_wait_ms": 5.0},
+                      (Measured(Variant(), rows, top1_agreement=1.0, samples=256),),
+                      Choice(Variant(), 48, (), {1: 10.0, 48: 80.0}))
+    settings = worker_settings(env)
+    assert ("max_batch_size" in settings.tune.explicit) == bool(env.get(
+        "REDBATCH_MAX_BATCH_SIZE"))
+    tuned = apply_profile(settings, profile).settings
+    assert tuned.batch.max_batch_size == served
+    assert tuned.batch.max_inflight >= 2 * served

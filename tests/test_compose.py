@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import redis
 import yaml
-from conftest import SAMPLES, settings_free_env
+from conftest import SAMPLES, settings_free_env, worker_settings
 from deploy_files import (
     PROMETHEUS_CONFIG,
     PROVISIONING,
@@ -47,6 +47,7 @@ from redbatch.cli.local_stack import stop_worker, wait_worker_ready
 from redbatch.common.config import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_INFLIGHT,
+    DEFAULT_MAX_WAIT_MS,
     LimitSettings,
     check_redis_url,
     cluster_nodes,
@@ -54,6 +55,7 @@ from redbatch.common.config import (
 )
 from redbatch.common.protocol import Keys
 from redbatch.common.redis_io import connect, is_cluster
+from redbatch.gpu_worker.tuning.calibrate import DEFAULT_CAP
 from redbatch.handlers.base import load_handler
 from redbatch.producer.client import Client
 
@@ -141,10 +143,30 @@ def test_worker_reserves_a_gpu_and_enough_shared_memory() -> None:
     env = service_env(service)
     handler = load_handler(env["REDBATCH_MODEL"], LimitSettings())
     slot_bytes = int(np.prod(handler.input_shape)) * np.dtype(handler.input_dtype).itemsize
-    slots = max(int(env.get("REDBATCH_MAX_INFLIGHT", DEFAULT_MAX_INFLIGHT)),
-                int(env.get("REDBATCH_MAX_BATCH_SIZE", DEFAULT_MAX_BATCH_SIZE)))
+    slots = max(int(env.get("REDBATCH_MAX_INFLIGHT") or DEFAULT_MAX_INFLIGHT),
+                int(env.get("REDBATCH_MAX_BATCH_SIZE") or DEFAULT_MAX_BATCH_SIZE))
     shm = compose_bytes(service["shm_size"])
     assert shm > DOCKER_DEFAULT_SHM and shm >= 2 * slots * slot_bytes
+    # In flight by default: twice the profile's batch, which GPU calibration caps at 512.
+    assert shm >= 2 * DEFAULT_CAP["cuda"] * slot_bytes
+
+
+def test_workers_leave_batching_to_calibration_unless_a_variable_is_set() -> None:
+    # issue 27: compose.yaml set REDBATCH_MAX_BATCH_SIZE (${...:-32}), in-flight and max
+    # wait for every worker, and a variable counts as an explicit setting, which a profile
+    # never overrides: the profile's batch size was never served.
+    compose = load_compose()
+    for name in redbatch_services(compose):
+        settings = worker_settings(service_env(compose["services"][name]))
+        assert settings.tune.explicit == frozenset(), name
+        assert (settings.batch.max_batch_size, settings.batch.max_wait_ms,
+                settings.batch.max_inflight) == (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_WAIT_MS,
+                                                 DEFAULT_MAX_INFLIGHT), name
+    given = load_compose({"REDBATCH_MAX_BATCH_SIZE": "48", "REDBATCH_MAX_WAIT_MS": "7"})
+    for name in redbatch_services(given):
+        settings = worker_settings(service_env(given["services"][name]))
+        assert settings.tune.explicit == {"max_batch_size"}, name
+        assert (settings.batch.max_batch_size, settings.batch.max_wait_ms) == (48, 7), name
 
 
 def test_workers_can_be_scaled() -> None:
@@ -327,10 +349,13 @@ def live_service(request: pytest.FixtureRequest, redis_url: str, profile_dir: Pa
     service = load_compose()["services"][name]
     port = free_port()
     # The test's own profile folder, never ~/.cache; calibration without torch.compile,
-    # which would take a minute per start here.
+    # which would take a minute per start here, and only up to batch 16 (a given max batch
+    # caps it): compose leaves the batch size to it, and sizes up to 64 take minutes on a
+    # busy 2-core machine.
     env = {**service_env(service), "REDBATCH_REDIS_URL": redis_url, "REDBATCH_DEVICE": "cpu",
            "REDBATCH_METRICS_PORT": str(port), "REDBATCH_METRICS_HOST": "127.0.0.1",
-           "REDBATCH_PROFILE_DIR": str(profile_dir), "REDBATCH_COMPILE": "0"}
+           "REDBATCH_PROFILE_DIR": str(profile_dir), "REDBATCH_COMPILE": "0",
+           "REDBATCH_MAX_BATCH_SIZE": "16"}
     redis.Redis.from_url(redis_url).flushall()
     exe = Path(sys.executable).parent / service["command"][0]
     inherited = settings_free_env()

@@ -91,9 +91,10 @@ def supervised(redis_url: str, tmp_path: Path) -> Iterator[list[subprocess.Popen
             proc.wait(timeout=30)
 
 
-def _killer_worker(redis_url: str, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+def _killer_worker(redis_url: str, log: Path, *extra: str,
+                   model: str = "killer") -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "redbatch.cli", "worker", "--redis", redis_url,
-           "--model", "handlers_for_tests:killer", "--model-name", "killer",
+           "--model", f"handlers_for_tests:{model}", "--model-name", model,
            "--reclaim-idle-ms", "1000", "--max-deliveries", "2", "--max-wait-ms", "20",
            "--metrics-port", "0", *extra]
     with open(log, "ab") as out:
@@ -352,6 +353,50 @@ def test_a_lone_hung_batch_times_out_beside_a_free_lane(
         client.submit(CAT, params={"hang": True}, timeout_s=300)
         assert worker.wait(timeout=60) == 3
     assert "looks hung" in (tmp_path / "w.log").read_text(errors="replace")
+
+
+def _exits_hung(worker: subprocess.Popen[bytes], log: Path, within_s: float) -> str:
+    """The log of a worker that exited 3 within ``within_s``, one line of it saying so and
+    no traceback; a worker still running is killed."""
+    try:
+        code = worker.wait(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        worker.kill()
+        worker.wait()
+        pytest.fail(f"still running after {within_s} s:\n{log.read_text(errors='replace')}")
+    text = log.read_text(errors="replace")
+    assert code == 3, text
+    assert "Traceback" not in text, text
+    return text
+
+
+def test_a_forward_pass_hung_in_a_lane_ends_its_worker_with_code_3(
+        redis_url: str, tmp_path: Path) -> None:
+    # issue 27: a batch stuck in a CPU lane thread (the model itself, not postprocessing)
+    # was timed, but the exit then waited for ever for that thread.
+    log = tmp_path / "w.log"
+    worker = _killer_worker(redis_url, log, "--batch-timeout-s", "2", "--cpu-lanes", "2",
+                            model="hangs_in_forward")
+    try:
+        with Client(redis_url, model="hangs_in_forward") as client:
+            client.submit(b"HANGMODEL", timeout_s=300)
+            text = _exits_hung(worker, log, 90)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert "looks hung" in text
+
+
+def test_a_warm_up_that_never_returns_ends_the_worker_naming_the_stage(
+        redis_url: str, tmp_path: Path) -> None:
+    # Before serving there is no main loop to time a batch: the watchdog bounds each
+    # warm-up size (--warmup-timeout-s), and a stuck one exits 3 with one line naming it.
+    log = tmp_path / "w.log"
+    worker = _killer_worker(redis_url, log, "--warmup-timeout-s", "3", "--calibrate", "off",
+                            model="hangs_at_warmup")
+    text = _exits_hung(worker, log, 90)
+    hung = [line for line in text.splitlines() if "device hung" in line]
+    assert len(hung) == 1 and "warm-up at batch 1 (eager) did not return within 3 s" in hung[0]
 
 
 def test_a_hung_batch_makes_its_worker_exit_and_the_others_are_answered(

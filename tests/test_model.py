@@ -238,6 +238,7 @@ def test_cpu_lanes_run_batches_at_once_and_keep_them_apart() -> None:
 
     run = ModelRunner(Tiny(model), torch.device("cpu"), tiny_slots(8), 2, lanes=2)
     assert run.depth == 2 and not run.pipelined
+    run.run([0, 1], [{}] * 2)  # the first call at a size runs alone (NOTE [ First calls ])
     start = clock.perf_counter()
     first, second = run.submit([1, 2], [{}] * 2), run.submit([3, 4], [{}] * 2)
     assert first.done is not None, "handed to a lane, not run at submit"
@@ -293,3 +294,40 @@ def test_a_compiled_model_runs_a_split_batch_at_a_compiled_size() -> None:
     assert counters["stats"]["unique_graphs"] == 2, "only the two warmed-up sizes"
     run.close()
     torch._dynamo.reset()
+
+
+def test_first_calls_at_a_size_are_serialised_across_lanes_and_steady_calls_are_not() -> None:
+    # issue 27: two CPU lanes first-running an autocast (or compiled) module at the same size
+    # deadlocked inside torch. The first call at each size runs alone; later calls meet.
+    import threading
+    import time as clock
+
+    guard, seen = threading.Lock(), set()
+    inside, most, meet = [0], [0], threading.Event()
+    steady = threading.Barrier(2, timeout=10)
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        if len(x) in seen:
+            if meet.is_set():
+                steady.wait()  # both lanes' steady calls must be inside at once
+        else:
+            with guard:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            clock.sleep(0.3)  # a first call (a compile, lazy init) leaves the GIL
+            seen.add(len(x))
+            with guard:
+                inside[0] -= 1
+        return x.mean(dim=(1, 2, 3))
+
+    run = ModelRunner(Tiny(model), torch.device("cpu"), tiny_slots(8), 4,
+                      Variant(autocast="bfloat16"), lanes=2)
+    for size in (2, 4, 2, 4):
+        if size == 2 and seen:
+            meet.set()
+        ids = list(range(size))
+        jobs = [run.submit(ids, [{}] * size), run.submit(ids, [{}] * size)]
+        for job in jobs:
+            assert [o.output for o in run.collect(job)] == pytest.approx(ids, abs=0.1)
+    assert most[0] == 1, "two lanes were inside a first call at once"
+    run.close()

@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from redbatch.common.config import TuneSettings, default_of
 from redbatch.common.protocol import ErrorCode
+from redbatch.gpu_worker.device.first_calls import FIRST_CALLS
 from redbatch.gpu_worker.device.prepare import (
     AUTOCAST_DTYPES,
     next_batch_limit,
@@ -49,11 +50,11 @@ from redbatch.gpu_worker.device.prepare import (
     total_memory,
     use_compile_settings,
 )
+from redbatch.gpu_worker.device.watchdog import Watch, unwatched
 from redbatch.gpu_worker.tuning.profile import Variant
 from redbatch.handlers.base import Handler
 
 logger = logging.getLogger(__name__)
-
 
 
 class BatchSizeMismatch(RuntimeError):
@@ -121,11 +122,9 @@ class ModelRunner:
             self.depth, thread_name_prefix="redbatch-lane",
             initializer=use_compile_settings if self.variant.compile else None) \
             if not cuda and self.depth > 1 else None
-        # Compiled models: the first call at a new size compiles it. Two lanes doing that
-        # at once compile it twice and use up torch's recompile limit; the first call at
-        # each size holds this lock.
-        self._first_call_lock = threading.Lock()
-        self._compiled_sizes: set[int] = set()
+        #: Batch sizes the model has run (a compiled one: has a graph for); a size's first
+        #: call holds FIRST_CALLS (NOTE [ First calls ]).
+        self._sizes_run: set[int] = set()
         #: False once ``warmup`` is done: from then on a compile is a surprise worth a warning.
         self._warming = True
         # Calibration's runners share buffers: they wait for each batch before the next.
@@ -155,24 +154,23 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ warm-up
 
-    def warmup(self, sizes: Sequence[int]) -> dict[int, float]:
-        """Run each batch size on every lane, then once more timed, so first requests don't
-        pay for lazy init (on CUDA, cuDNN's per-shape benchmarking; compiled models, the
-        compilation); returns the warm run's time of each size in seconds. On CUDA also
-        learns the activation memory per item."""
+    def warmup(self, sizes: Sequence[int], watch: Watch = unwatched) -> dict[int, float]:
+        """Run each batch size on every lane, then once more timed, inside ``watch``, so
+        first requests don't pay for lazy init (CUDA: cuDNN's benchmarking; compiling);
+        returns the warm run's time of each size in seconds. CUDA: learns memory per item."""
         timings = {}
         for size in sorted({min(s, self.max_batch_size) for s in sizes}):
             ids = list(range(min(size, len(self._slots))))
             pad = size if size > len(ids) else None
-            # Every lane thread once, all at once: a thread's first forward pass (and a
-            # compiled model's guards in it) is paid here rather than by a request. A
-            # model failing here fails the start.
-            for job in [self.submit(ids, [{}] * len(ids), pad) for _ in range(self.depth)]:
-                self.finish(job)
-            start = time.perf_counter()
-            self._peak_reset()
-            self.run(ids, [{}] * len(ids), pad)
-            timings[size] = time.perf_counter() - start
+            # Every lane thread once: a thread's first forward pass (a compiled model's
+            # guards in it) is paid here, not by a request. A failure fails the start.
+            with watch(f"warm-up at batch {size} ({self.variant.name})"):
+                for job in [self.submit(ids, [{}] * len(ids), pad) for _ in range(self.depth)]:
+                    self.finish(job)
+                start = time.perf_counter()
+                self._peak_reset()
+                self.run(ids, [{}] * len(ids), pad)
+                timings[size] = time.perf_counter() - start
             self._learn_memory(size)
             logger.info("warm-up batch %d: %.1f ms", size, timings[size] * 1000)
         self._warming = False
@@ -222,7 +220,7 @@ class ModelRunner:
         if not self.variant.compile:
             return size
         # A copy (one C call, under the GIL): a lane thread may add a size meanwhile.
-        return min((s for s in self._compiled_sizes.copy() if s >= size), default=size)
+        return min((s for s in self._sizes_run.copy() if s >= size), default=size)
 
     def _gather(self, slot_ids: Sequence[int], size: int) -> tuple[torch.Tensor, int]:
         turn, self._turn = self._turn, (self._turn + 1) % len(self._host)
@@ -247,20 +245,27 @@ class ModelRunner:
     def _run_now(self, job: InFlight, host: torch.Tensor) -> None:
         """CPU: the forward pass, here or in a lane thread; a failure is kept in ``job``."""
         start = time.perf_counter()
-        first = self.variant.compile and len(host) not in self._compiled_sizes
-        if first and self._compiled_sizes and not self._warming:
-            logger.warning("compiling batch size %d while serving (it was not warmed up)",
-                           len(host))
         try:
-            with torch.inference_mode(), self._precision(), \
-                    self._first_call_lock if first else nullcontext():
-                outputs = self._model(self._format(host))
-                self._compiled_sizes.add(len(host))
+            outputs = self._forward(host) if len(host) in self._sizes_run \
+                else self._first_call(host)
             # The output must not alias the host buffer, which a later batch overwrites.
             job.outputs = outputs.clone() if _shares_memory(outputs, host) else outputs
         except Exception as e:
             job.error = e
         job.compute_s = time.perf_counter() - start
+
+    def _forward(self, host: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode(), self._precision():
+            return self._model(self._format(host))
+
+    def _first_call(self, host: torch.Tensor) -> torch.Tensor:
+        """The first call at a size, alone in the process (NOTE [ First calls ])."""
+        if self.variant.compile and self._sizes_run and not self._warming:
+            logger.warning("compiling batch size %d while serving (not warmed up)", len(host))
+        with FIRST_CALLS:
+            outputs = self._forward(host)
+            self._sizes_run.add(len(host))
+        return outputs
 
     def _enqueue(self, job: InFlight, host: torch.Tensor, turn: int) -> None:
         with torch.cuda.stream(self._copy_stream):

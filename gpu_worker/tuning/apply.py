@@ -220,6 +220,7 @@ def _with_profile(settings: Settings, handler: Handler,
                   lanes: int, path: Path, fp: str) -> Tuned:
     """The profile at ``path`` applied (for the model with fingerprint ``fp``), as
     ``--calibrate`` says: loaded, measured quickly and stored first, or none."""
+    from redbatch.gpu_worker.device.watchdog import Watchdog
     from redbatch.gpu_worker.tuning.calibrate import (
         CONTENDED_SHARE,
         CalibrationSettings,
@@ -245,13 +246,14 @@ def _with_profile(settings: Settings, handler: Handler,
         logger.info("%s: calibrating (quick) before serving", why)
         # --compile/--no-compile given: measure only what was asked for.
         compile_asked = settings.model.compile if "compile" in settings.tune.explicit else None
-        profile = calibrate(handler, model, device, settings.model.spec, name,
-                            dataclasses.replace(CalibrationSettings.quick_settings(cap),
-                                                latency_budget_ms=settings.tune.latency_budget_ms,
-                                                max_wait_ms=settings.batch.max_wait_ms,
-                                                lanes=lanes,
-                                                try_compile=compile_asked,
-                                                allow_reduced_precision=allow_lossy))
+        how = dataclasses.replace(CalibrationSettings.quick_settings(cap),
+                                  latency_budget_ms=settings.tune.latency_budget_ms,
+                                  max_wait_ms=settings.batch.max_wait_ms, lanes=lanes,
+                                  try_compile=compile_asked,
+                                  allow_reduced_precision=allow_lossy)
+        with Watchdog(settings.warmup_timeout_s) as dog:  # a hang exits 3
+            profile = calibrate(handler, model, device, settings.model.spec, name, how,
+                                watch=dog.watch)
         save_profile(profile, path)
         notes.append(f"calibrated and stored profile {path}")
         share = profile.settings.get("cpu_share")

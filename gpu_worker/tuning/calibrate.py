@@ -25,6 +25,7 @@ from redbatch.common.config import (
     model_name_from_spec,
 )
 from redbatch.gpu_worker.device.prepare import resolve_device
+from redbatch.gpu_worker.device.watchdog import Watch, unwatched
 from redbatch.gpu_worker.tuning.choosing import choose
 from redbatch.gpu_worker.tuning.fidelity import check_fidelity
 from redbatch.gpu_worker.tuning.profile import (
@@ -104,8 +105,10 @@ class CalibrationSettings:
 
 def calibrate(handler: Handler, model: Model, device: torch.device, spec: str, name: str,
               settings: CalibrationSettings,
-              report: Callable[[str], None] = logger.info) -> Profile:
-    """Warm up, measure, choose; returns the profile (the caller saves it).
+              report: Callable[[str], None] = logger.info,
+              watch: Watch = unwatched) -> Profile:
+    """Warm up, measure, choose; returns the profile (the caller saves it). Every run on
+    the device is inside ``watch`` (NOTE [ Device watchdog ]).
 
     ``model`` is the loaded model, as ``handler.load(device)`` returned it; it is
     changed in place (memory format) and may be copied once.
@@ -121,7 +124,7 @@ def calibrate(handler: Handler, model: Model, device: torch.device, spec: str, n
     report(f"calibrating {name} on {info.kind} ({info.name}, {info.lanes} batches at once x "
            f"{info.torch_threads} torch threads): variants "
            f"{', '.join(v.name for v in variants)}; batch sizes up to {cap}")
-    measured, runs = sweep(handler, model, device, variants, cap, settings, report)
+    measured, runs = sweep(handler, model, device, variants, cap, settings, report, watch)
     check = min([cap, ERROR_CHECK_BATCH, *(m.rows[-1].batch_size for m in measured if m.rows)])
     measured = check_fidelity(handler, runs, measured, check, settings.fidelity_samples,
                               settings.allow_reduced_precision, report)
@@ -152,10 +155,11 @@ def calibrate(handler: Handler, model: Model, device: torch.device, spec: str, n
 
 def calibrate_to_file(spec: str, device_spec: str, torch_threads: int,
                       settings: CalibrationSettings, out: Path | None, profile_dir: str,
-                      report: Callable[[str], None]) -> tuple[Profile, Path]:
-    """``redbatch calibrate``: load the model, measure with ``torch_threads`` threads, and
-    write the profile to ``out`` or to its place in the profile directory. Raises
-    ValueError for an unknown model, device or variant."""
+                      report: Callable[[str], None],
+                      watch: Watch = unwatched) -> tuple[Profile, Path]:
+    """``redbatch calibrate``: load the model, measure with ``torch_threads`` threads
+    (each run inside ``watch``), and write the profile to ``out`` or to its place in the
+    profile directory. Raises ValueError for an unknown model, device or variant."""
     torch.set_num_threads(torch_threads)
     device = resolve_device(device_spec)
     handler = load_handler(spec, LimitSettings())
@@ -166,7 +170,7 @@ def calibrate_to_file(spec: str, device_spec: str, torch_threads: int,
         parse_variant(name)  # refuse a typo before loading anything
     model = handler.load(device)
     name = model_name_from_spec(spec)
-    profile = calibrate(handler, model, device, spec, name, settings, report)
+    profile = calibrate(handler, model, device, spec, name, settings, report, watch)
     path = out or profile_path(Path(profile_dir) if profile_dir else default_profile_dir(), name,
                                profile.device)
     save_profile(profile, path)

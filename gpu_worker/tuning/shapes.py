@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import numpy as np
 from redbatch.gpu_worker.device.runner import ModelRunner
+from redbatch.gpu_worker.device.watchdog import Watch, unwatched
 from redbatch.handlers.base import Handler, max_cost_of
 
 #: Lengths timed, tokens (each capped at the model's longest input), and rows as shares of
@@ -37,8 +38,10 @@ def shape_grid(max_rows: int, max_cost: int, max_tokens: int) -> list[tuple[int,
 
 
 def measure_shapes(handler: Handler, runner: ModelRunner, slots: np.ndarray,
-                   grid: list[tuple[int, int]]) -> dict[tuple[int, int], float]:
-    """Seconds of one batch of each shape in ``grid`` (after an untimed run of it)."""
+                   grid: list[tuple[int, int]],
+                   watch: Watch = unwatched) -> dict[tuple[int, int], float]:
+    """Seconds of one batch of each shape in ``grid`` (after an untimed run of it), each
+    shape's runs inside ``watch``."""
     sample: Callable[[int], bytes] = handler.sample_input  # type: ignore[attr-defined]
     times: dict[tuple[int, int], float] = {}
     for rows, length in grid:
@@ -47,10 +50,11 @@ def measure_shapes(handler: Handler, runner: ModelRunner, slots: np.ndarray,
             handler.preprocess(payload, "", {}, slots[slot])
         ids = list(range(rows))
         params: list[dict[str, object]] = [{} for _ in range(rows)]
-        runner.run(ids, params)
-        start = time.perf_counter()
-        runner.run(ids, params)
-        times[(rows, length)] = time.perf_counter() - start
+        with watch(f"timing text batches of {rows} x {length} tokens"):
+            runner.run(ids, params)
+            start = time.perf_counter()
+            runner.run(ids, params)
+            times[(rows, length)] = time.perf_counter() - start
     slots[:max((r for r, _ in grid), default=0)] = 0
     return times
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from redbatch.common.config import Budget
 from redbatch.gpu_worker.device.runner import ModelRunner
+from redbatch.gpu_worker.device.watchdog import Watch, unwatched
 from redbatch.gpu_worker.tuning.profile import Measured, Row, Variant
 from redbatch.gpu_worker.tuning.variants import Model
 from redbatch.handlers.base import Handler
@@ -72,12 +73,15 @@ def _slot_array(cap: int, handler: Handler) -> np.ndarray:
 
 
 class _Sweep:
-    """Runners of every variant over one slot array, timed run by run in turn."""
+    """Runners of every variant over one slot array, timed run by run in turn; each run
+    inside ``watch`` (NOTE [ Device watchdog ])."""
 
     def __init__(self, handler: Handler, model: Model, device: torch.device,
-                 variants: Sequence[Variant], cap: int, settings: CalibrationSettings) -> None:
+                 variants: Sequence[Variant], cap: int, settings: CalibrationSettings,
+                 watch: Watch = unwatched) -> None:
         self.device = device
         self.settings = settings
+        self.watch = watch
         self.slots = _slot_array(cap, handler)
         copies: dict[bool, Model] = {False: model}
         if any(v.channels_last for v in variants):
@@ -147,8 +151,9 @@ class _Sweep:
                 self.slots[n:size] = chunk[-1]  # a full batch: the compiled shape
             for v in [v for v in variants if v in rows]:
                 try:
-                    job = self.runners[v].submit(list(range(size)), [{}] * size)
-                    self.runners[v].finish(job)
+                    with self.watch(f"calibration, checking {v.name}'s answers at batch {size}"):
+                        job = self.runners[v].submit(list(range(size)), [{}] * size)
+                        self.runners[v].finish(job)
                     out = job.outputs
                 except Exception:  # noqa: BLE001 - its timing rows already say it failed
                     out = None
@@ -166,9 +171,10 @@ class _Sweep:
         runner = self.runners[v]
         try:
             # As many batches at once as the worker runs (CPU lanes), each waited for.
-            jobs = [runner.submit(ids, params) for _ in range(self.at_once)]
-            for job in jobs:
-                runner.finish(job)
+            with self.watch(f"calibration, {v.name} at batch {len(ids)}"):
+                jobs = [runner.submit(ids, params) for _ in range(self.at_once)]
+                for job in jobs:
+                    runner.finish(job)
         except torch.cuda.OutOfMemoryError:
             failed[v] = f"out of memory at batch {len(ids)}"
             torch.cuda.empty_cache()
@@ -216,10 +222,12 @@ def stop_reason(rows: Sequence[Row], latency_budget_ms: Budget) -> str:
 
 def sweep(handler: Handler, model: Model, device: torch.device, variants: Sequence[Variant],
           cap: int, settings: CalibrationSettings,
-          report: Callable[[str], None] = logger.info) -> tuple[list[Measured], _Sweep]:
+          report: Callable[[str], None] = logger.info,
+          watch: Watch = unwatched) -> tuple[list[Measured], _Sweep]:
     """Measure every variant for sizes 1, 2, 4, ... up to ``cap``: scout the sizes in
-    order (variants interleaved), then time the kept ones again in rounds."""
-    runs = _Sweep(handler, model, device, variants, cap, settings)
+    order (variants interleaved), then time the kept ones again in rounds; every run
+    inside ``watch``."""
+    runs = _Sweep(handler, model, device, variants, cap, settings, watch)
     scout = min(SCOUT_RUNS, settings.runs) if settings.rounds > 1 else settings.runs
     rows: dict[Variant, list[Row]] = {v: [] for v in variants}
     stopped: dict[Variant, str] = {}
