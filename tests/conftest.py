@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
 import secrets
@@ -9,6 +11,7 @@ import subprocess
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import redis
@@ -122,14 +125,32 @@ def rc(cluster: LocalCluster) -> Iterator[redis.Redis]:
 WorkerFactory = Callable[..., subprocess.Popen[bytes]]
 
 
-@pytest.fixture(scope="session")
-def reference() -> object:
-    """The text model's reference implementation: sentence-transformers reading the same
-    files from the model's wheel (a test dependency only; workers never import it)."""
-    from redbatch.handlers.text import model_dir
+class GoldenVectors:
+    """The text model's reference vectors, read from tests/data/minilm_golden.json (written
+    once by tests/make_minilm_golden.py with sentence-transformers, the reference
+    implementation, reading the same files from the model's wheel). ``encode`` answers as
+    sentence-transformers' own does with ``normalize_embeddings=True``, for the texts the
+    file holds; another text is a KeyError that says how to add it."""
 
-    st = pytest.importorskip("sentence_transformers")
-    return st.SentenceTransformer(str(model_dir()), device="cpu")
+    def __init__(self, path: Path) -> None:
+        golden = json.loads(path.read_text(encoding="utf-8"))
+        self._vectors = {text: np.frombuffer(base64.b64decode(b64), dtype="<f4")
+                         for text, b64 in golden["vectors"].items()}
+
+    def encode(self, texts: list[str], normalize_embeddings: bool = False) -> np.ndarray:
+        assert normalize_embeddings, "the file holds normalised vectors"
+        missing = [t[:60] for t in texts if t not in self._vectors]
+        if missing:
+            raise KeyError(f"no reference vector for {missing}: add the texts to "
+                           "tests/make_minilm_golden.py's TEXTS and run it")
+        return np.stack([self._vectors[t] for t in texts])
+
+
+@pytest.fixture(scope="session")
+def reference() -> GoldenVectors:
+    """The text model's reference answers (GoldenVectors: the reference implementation's
+    vectors, computed once; workers and tests never import sentence-transformers)."""
+    return GoldenVectors(Path(__file__).parent / "data" / "minilm_golden.json")
 
 
 @pytest.fixture

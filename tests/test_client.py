@@ -346,7 +346,7 @@ def test_an_id_lost_off_the_reply_list_is_found_by_the_sweep(
     stolen: list[object] = []
     got: list[ResultEnvelope] = []
     with Client(redis_url, model=NULL) as client, redis.Redis.from_url(
-            redis_url, client_name="thief") as thief:
+            redis_url, client_name="thief", socket_timeout=None) as thief:
         reply = keys.reply(client.name)
         taker = threading.Thread(target=lambda: stolen.append(thief.blpop([reply], timeout=60)))
         taker.start()

@@ -111,9 +111,9 @@ def plant(name: str, age_s: float = 0.0) -> str:
 
 
 def test_names_carry_prefix_and_pid_and_the_pool_semaphores_follow(prefix: str) -> None:
-    # In a fresh interpreter, as a worker is: a library imported by another test (the text
-    # model's reference, sentence-transformers, brings ``multiprocess``) changes how this
-    # process's semaphores are made.
+    # In a fresh interpreter, as a worker is: a library imported by another test (such as
+    # sentence-transformers, which brings ``multiprocess``) changes how this process's
+    # semaphores are made.
     out = subprocess.run([sys.executable, "-c", POOL_HOLDER, prefix], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

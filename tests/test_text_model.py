@@ -1,8 +1,10 @@
 """The text model (all_minilm_l6_v2): its encoder against the reference implementation,
 its limits, and a real worker serving real sentences through the whole pipeline.
 
-The reference is sentence-transformers reading the same files from the model's wheel (a
-test dependency only; workers never import it).
+The reference is sentence-transformers reading the same files from the model's wheel; its
+vectors for every text compared here were computed once by tests/make_minilm_golden.py into
+tests/data/minilm_golden.json (conftest's ``reference``), so neither the tests nor the
+workers import it.
 """
 
 from __future__ import annotations
