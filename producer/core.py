@@ -12,6 +12,7 @@ an id is looked for); splitting them would split what the faces share.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -46,6 +47,7 @@ from redbatch.common.protocol import (
     valid_request_id,
 )
 from redbatch.common.protocol.payloads import encode_payload
+from redbatch.common.redis_io import error_code
 from redbatch.producer.calls import Arg, Command, Inbox, Pause, Pipelined, Script, Steps
 from redbatch.producer.errors import DuplicateRequestId, QueueFull, ResultTimeout, ResultUnreadable
 from redbatch.producer.replies import Gathering, ReplyWaits
@@ -53,6 +55,8 @@ from redbatch.producer.wait import RECONNECT_PAUSE_S, reply_by
 
 PARTITIONS_REFRESH_S = 5.0
 """How long the client trusts the partition count it read (PROTOCOL.md "Partitions")."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +99,8 @@ class ClientCore:
         self.reply_waits: dict[str, ReplyWaits] = {}
         #: Each model's partition history and when it was read (monotonic s).
         self._histories: dict[str, tuple[tuple[int, ...], float]] = {}
+        #: Models whose partitions key held another type (warned once each).
+        self._bad_counts: set[str] = set()
 
     def keys(self, model: str | None = None) -> Keys:
         """The keys of ``model`` (default: the client's) under the client's prefix."""
@@ -164,8 +170,17 @@ class ClientCore:
         cached = self._histories.get(keys.model)
         if cached is not None and time.monotonic() - cached[1] < PARTITIONS_REFRESH_S:
             return cached[0]
-        history = parse_partition_history(
-            (yield Command(("LRANGE", keys.partitions(), 0, -1), due)))
+        try:
+            raw = yield Command(("LRANGE", keys.partitions(), 0, -1), due)
+        except redis.ResponseError as e:
+            if error_code(e) != "WRONGTYPE":
+                raise
+            raw = None  # unreadable: 1 (PROTOCOL.md "Partitions")
+            if keys.model not in self._bad_counts:
+                self._bad_counts.add(keys.model)
+                logger.warning("%s is not a list (%s): it reads as 1 partition",
+                               keys.partitions(), e)
+        history = parse_partition_history(raw)
         self._histories[keys.model] = (history, time.monotonic())
         return history
 

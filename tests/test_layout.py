@@ -17,6 +17,8 @@ worker, threads, events, outbox) may use every room:
     batching/       pure policy; nothing else of the worker (no redis, no torch)
     device/         torch; only the profile's records from tuning/ (Variant)
     tuning/         calibration; may use device/
+    generation/     continuous batching of a generative model (scheduler, KV blocks, model,
+                    engine): torch, never redis, nothing else of the worker
     metrics.py      a leaf every room may use
 """
 
@@ -45,9 +47,11 @@ ROOMS = {
     "batching": set(),
     "device": {"tuning.profile"},
     "tuning": {"device", "tuning"},
+    "generation": set(),
 }
 #: Third-party imports a room must never make.
-FORBIDDEN = {"batching": {"redis", "torch"}, "device": {"redis"}, "streams": {"torch"}}
+FORBIDDEN = {"batching": {"redis", "torch"}, "device": {"redis"}, "streams": {"torch"},
+             "generation": {"redis"}}
 #: Past this many lines of code (not blank, not comments, not docstrings) a module says why it
 #: is not split, in the first line of its docstring, with the words "long because".
 LONG_MODULE_LINES = 400
