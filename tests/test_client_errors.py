@@ -32,7 +32,7 @@ SLACK_S = 1.5
 #: An id no client of the test submitted.
 FOREIGN = "not-submitted-here-0001"
 
-Call = Callable[[Any, str, Any], Any]
+Call = Callable[[Any, Any, Any], Any]
 
 #: name -> (call(client, own id, a client that has made no call yet), is it a wait).
 CALLS: dict[str, tuple[Call, bool]] = {
@@ -154,4 +154,4 @@ def test_error_codes_print_as_their_values() -> None:
     assert f"{full.code}" == str(full.code) == "queue_full"
     bad = ProtocolError(ErrorCode.BAD_ENVELOPE, "no")
     assert f"{bad.code}" == str(bad.code) == "bad_envelope"
-    assert ErrorCode.BAD_IMAGE == "bad_image"
+    assert f"{ErrorCode.BAD_IMAGE}" == "bad_image"
