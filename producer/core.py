@@ -20,14 +20,12 @@ from typing import Any
 
 import redis
 from redbatch.common.protocol import (
-    CANCEL_SCRIPT,
     CANCELLED_REPLY,
     DUPLICATE_REPLY,
     FIELD_JOB,
     MAX_ADMIT_JOBS,
     MAX_CONTENT_TYPE_BYTES,
     QUEUE_FULL_REPLY,
-    STATUS_SCRIPT,
     UNKNOWN_REPLY,
     JobEnvelope,
     JobState,
@@ -45,10 +43,12 @@ from redbatch.common.protocol import (
     parse_queue_bound,
     valid_request_id,
 )
+from redbatch.common.protocol.functions import CANCEL_FUNCTION, STATUS_FUNCTION
 from redbatch.common.protocol.payloads import encode_payload
 from redbatch.producer.calls import Arg, Command, Inbox, Pipelined, Script, Steps
 from redbatch.producer.errors import DuplicateRequestId, QueueFull, ResultUnreadable
 from redbatch.producer.replies import Gathering, ReplyWaits
+from redbatch.producer.wait import DoneMoves
 
 PARTITIONS_REFRESH_S = 5.0
 """How long the client trusts the partition count it read (PROTOCOL.md "Partitions")."""
@@ -92,6 +92,8 @@ class ClientCore:
         #: The client's reply lists, by partition tag (``Keys.tag``: the model's name for
         #: partition 0), made at the first submit naming one.
         self.reply_waits: dict[str, ReplyWaits] = {}
+        #: Whether this client's user may BLMOVE a done list (its waits poll once refused).
+        self.moves = DoneMoves()
         #: Each model's partition history and when it was read (monotonic s).
         self._histories: dict[str, tuple[tuple[int, ...], float]] = {}
 
@@ -232,7 +234,7 @@ class ClientCore:
         replies: list[object]
         if len(calls) > 1:
             replies = yield Pipelined(calls, errors_as_replies=True)
-        else:  # alone, not in a pipeline: redis-py adds SCRIPT EXISTS to every pipeline
+        else:  # alone, not in a pipeline: a pipeline of one costs more
             try:
                 replies = [(yield calls[0])]
             except redis.ResponseError as e:
@@ -310,7 +312,7 @@ class ClientCore:
         """The status script's answer in one partition."""
         call = Script([keys.result(request_id), keys.owner(request_id),
                        *(keys.stream(lane) for lane in Lane), keys.done(request_id)], [],
-                      STATUS_SCRIPT)
+                      STATUS_FUNCTION, read_only=True)
         try:
             reply = yield call
             return job_status(request_id, reply)
@@ -340,7 +342,7 @@ class ClientCore:
         marker = JobEnvelope(request_id=request_id, model=keys.model, payload=b"",
                              submitted_ms=int(time.time() * 1000), reply_to=reply_to)
         reply = yield Script([*(keys.stream(lane) for lane in Lane), keys.owner(request_id)],
-                             [request_id, marker.encode()[FIELD_JOB]], CANCEL_SCRIPT)
+                             [request_id, marker.encode()[FIELD_JOB]], CANCEL_FUNCTION)
         return (reply.decode() if isinstance(reply, bytes) else str(reply)).split(" ", 1)[0]
 
     def _gathering(self, request_ids: Sequence[str], timeout_s: float, model: str | None,
@@ -350,9 +352,11 @@ class ClientCore:
         waits = [w for w in self.reply_waits.values() if w.keys.model == name]
         history = self._histories.get(name, ((1,), 0.0))[0]
         keys = self.keys(name)
-        return Gathering(waits, lambda rid: [keys.part(p) for p in
-                                             candidate_partitions(rid, history)],
-                         request_ids, timeout_s, inbox)
+        gathering = Gathering(waits, lambda rid: [keys.part(p) for p in
+                                                  candidate_partitions(rid, history)],
+                              request_ids, timeout_s, inbox)
+        gathering.moves = self.moves
+        return gathering
 
 
 def admitted_jobs(jobs: Sequence[JobEnvelope], admitted: Sequence[str]) -> list[JobEnvelope]:
