@@ -38,6 +38,7 @@ from typing import Any
 from redbatch.common.config import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MODEL, DEFAULT_REDIS_URL
 from redbatch.common.protocol import (
     DEFAULT_PREFIX,
+    IDEMPOTENCY_WINDOW_MS,
     JobCancelled,
     JobEnvelope,
     JobFailed,
@@ -51,15 +52,21 @@ from redbatch.common.protocol import (
 )
 from redbatch.common.redis_io import connect, connect_async
 from redbatch.producer.core import ClientCore, QueueState, admitted_jobs
-from redbatch.producer.errors import DuplicateRequestId, QueueFull, ResultTimeout, ResultUnreadable
+from redbatch.producer.errors import (
+    DuplicateRequestId,
+    FunctionsMissing,
+    QueueFull,
+    ResultTimeout,
+    ResultUnreadable,
+)
 from redbatch.producer.handles import AsyncJobHandle, JobHandle
 from redbatch.producer.readers import ReaderTasks, ReaderThreads
 from redbatch.producer.runners import AsyncInbox, AsyncRunner, BlockingRunner, SyncInbox
 
-__all__ = ["AsyncClient", "AsyncJobHandle", "Client", "DuplicateRequestId", "JobCancelled",
-           "JobFailed", "JobHandle", "JobState", "JobStatus", "ProtocolError", "QueueFull",
-           "QueueState", "RedbatchError", "Result", "ResultTimeout", "ResultUnreadable",
-           "WorkerRecord"]
+__all__ = ["AsyncClient", "AsyncJobHandle", "Client", "DuplicateRequestId", "FunctionsMissing",
+           "JobCancelled", "JobFailed", "JobHandle", "JobState", "JobStatus", "ProtocolError",
+           "QueueFull", "QueueState", "RedbatchError", "Result", "ResultTimeout",
+           "ResultUnreadable", "WorkerRecord"]
 
 Result = ResultEnvelope
 
@@ -74,8 +81,9 @@ class Client(ClientCore):
 
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, *, model: str = DEFAULT_MODEL,
                  prefix: str = DEFAULT_PREFIX,
-                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
-        super().__init__(redis_url, model, prefix, max_payload_bytes)
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                 idempotency_window_s: float = IDEMPOTENCY_WINDOW_MS / 1000) -> None:
+        super().__init__(redis_url, model, prefix, max_payload_bytes, idempotency_window_s)
         self.redis = connect(redis_url)
         self._run = BlockingRunner(self.redis).run
         self._readers = ReaderThreads(redis_url)
@@ -246,8 +254,9 @@ class AsyncClient(ClientCore):
 
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, *, model: str = DEFAULT_MODEL,
                  prefix: str = DEFAULT_PREFIX,
-                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
-        super().__init__(redis_url, model, prefix, max_payload_bytes)
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                 idempotency_window_s: float = IDEMPOTENCY_WINDOW_MS / 1000) -> None:
+        super().__init__(redis_url, model, prefix, max_payload_bytes, idempotency_window_s)
         self.redis = connect_async(redis_url)
         self._run = AsyncRunner(self.redis).run
         self._readers = ReaderTasks(redis_url)

@@ -23,6 +23,7 @@ from redbatch.common.protocol import (
     CANCELLED_REPLY,
     DUPLICATE_REPLY,
     FIELD_JOB,
+    IDEMPOTENCY_WINDOW_MS,
     MAX_ADMIT_JOBS,
     MAX_CONTENT_TYPE_BYTES,
     QUEUE_FULL_REPLY,
@@ -36,6 +37,7 @@ from redbatch.common.protocol import (
     WorkerRecord,
     candidate_partitions,
     error_reply_code,
+    idempotency_window_ms,
     job_status,
     new_request_id,
     owner_ttl_ms,
@@ -82,8 +84,12 @@ class ClientCore:
     """What the sync and async clients share: settings, keys, envelopes, and each
     operation as steps (the faces run them)."""
 
-    def __init__(self, redis_url: str, model: str, prefix: str, max_payload_bytes: int) -> None:
+    def __init__(self, redis_url: str, model: str, prefix: str, max_payload_bytes: int,
+                 idempotency_window_s: float = IDEMPOTENCY_WINDOW_MS / 1000) -> None:
         self.redis_url = redis_url
+        #: How long the id of a job without a deadline stays taken, ms (ValueError when
+        #: outside the bounds of ``idempotency_window_ms``).
+        self.idempotency_window_ms = idempotency_window_ms(idempotency_window_s)
         self.model = model
         self.prefix = prefix
         self.max_payload_bytes = max_payload_bytes
@@ -230,7 +236,8 @@ class ClientCore:
         self._record(jobs)
         keys = [self._job_keys(job.model, job.request_id) for job in jobs]
         groups = _admission_groups(jobs, [k.partition for k in keys])
-        calls = tuple(_admit(keys[group[0]], [jobs[i] for i in group]) for group in groups)
+        calls = tuple(_admit(keys[group[0]], [jobs[i] for i in group],
+                             self.idempotency_window_ms) for group in groups)
         replies: list[object]
         if len(calls) > 1:
             replies = yield Pipelined(calls, errors_as_replies=True)
@@ -387,13 +394,16 @@ def _admission_groups(jobs: Sequence[JobEnvelope], parts: Sequence[int]) -> list
             for start in range(0, len(group), MAX_ADMIT_JOBS)]
 
 
-def _admit(keys: Keys, jobs: Sequence[JobEnvelope]) -> Script:
-    """The admission script's call for jobs of one lane: its stream, the limits hash and
-    each id's owner key; the lane, then each job's owner TTL, request id and envelope."""
+def _admit(keys: Keys, jobs: Sequence[JobEnvelope],
+           window_ms: int = IDEMPOTENCY_WINDOW_MS) -> Script:
+    """The admission function's call for jobs of one lane: its stream, the limits hash and
+    each id's owner key; the lane, then each job's owner TTL (the idempotency window
+    ``window_ms`` for a job without a deadline), request id and envelope."""
     lane = Lane(jobs[0].lane)
     args: list[Arg] = [lane.value]
     for job in jobs:
-        args += [owner_ttl_ms(job.budget_ms), job.request_id, job.encode()[FIELD_JOB]]
+        args += [owner_ttl_ms(job.budget_ms, window_ms), job.request_id,
+                 job.encode()[FIELD_JOB]]
     return Script([keys.stream(lane), keys.limits(), *(keys.owner(j.request_id) for j in jobs)],
                  args)
 

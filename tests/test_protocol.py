@@ -300,10 +300,10 @@ def _table_rows(heading: str) -> list[list[str]]:
 
 def test_doc_gives_the_owner_ttl_formula_of_the_code() -> None:
     assert "`max(0, deadline_ms - submitted_ms) + 600000`" in DOC
-    assert "`86400000` for a job without one" in DOC
+    assert "`3600000` for a job without one" in DOC
     for budget in (-10**12, -1, 0, 1, 5000, 10**9):
         assert p.owner_ttl_ms(budget) == max(0, budget) + 600000 > 0
-    assert p.owner_ttl_ms(None) == 86400000
+    assert p.owner_ttl_ms(None) == 3600000 == p.IDEMPOTENCY_WINDOW_MS
     assert f"at most {p.MAX_OWNER_TTL_DIGITS} digits" in DOC
     assert len(str(p.owner_ttl_ms(10**12))) <= p.MAX_OWNER_TTL_DIGITS
 
