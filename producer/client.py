@@ -50,7 +50,7 @@ from redbatch.common.protocol import (
     ResultEnvelope,
     WorkerRecord,
 )
-from redbatch.common.redis_io import connect, connect_async
+from redbatch.common.redis_io import connect, connect_async, is_cluster
 from redbatch.producer.core import ClientCore, QueueState, admitted_jobs
 from redbatch.producer.errors import (
     DuplicateRequestId,
@@ -85,6 +85,7 @@ class Client(ClientCore):
                  idempotency_window_s: float = IDEMPOTENCY_WINDOW_MS / 1000) -> None:
         super().__init__(redis_url, model, prefix, max_payload_bytes, idempotency_window_s)
         self.redis = connect(redis_url)
+        self.one_slot_per_call = is_cluster(self.redis)
         self._run = BlockingRunner(self.redis).run
         self._readers = ReaderThreads(redis_url)
 
@@ -258,6 +259,7 @@ class AsyncClient(ClientCore):
                  idempotency_window_s: float = IDEMPOTENCY_WINDOW_MS / 1000) -> None:
         super().__init__(redis_url, model, prefix, max_payload_bytes, idempotency_window_s)
         self.redis = connect_async(redis_url)
+        self.one_slot_per_call = is_cluster(self.redis)
         self._run = AsyncRunner(self.redis).run
         self._readers = ReaderTasks(redis_url)
 

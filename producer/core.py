@@ -98,6 +98,9 @@ class ClientCore:
         #: The client's reply lists, by partition tag (``Keys.tag``: the model's name for
         #: partition 0), made at the first submit naming one.
         self.reply_waits: dict[str, ReplyWaits] = {}
+        #: Whether Redis is a cluster, where one call names keys of one slot only: the
+        #: admission call then names no other partition's owner keys (set by the face).
+        self.one_slot_per_call = False
         #: Whether this client's user may BLMOVE a done list (its waits poll once refused).
         self.moves = DoneMoves()
         #: Each model's partition history and when it was read (monotonic s).
@@ -227,7 +230,8 @@ class ClientCore:
 
     def _submit_jobs(self, jobs: Sequence[JobEnvelope]) -> Steps[list[str]]:
         """Queue jobs in one round trip: one admission call per lane (and MAX_ADMIT_JOBS
-        jobs), pipelined when there are several; returns the admitted request ids."""
+        jobs), pipelined when there are several; returns the admitted request ids. On a
+        cluster after a partition raise, one more round trip first (``_taken_elsewhere``)."""
         if not jobs:
             return []
         for model in dict.fromkeys(job.model for job in jobs):
@@ -235,20 +239,55 @@ class ClientCore:
         jobs = self._place(jobs)
         self._record(jobs)
         keys = [self._job_keys(job.model, job.request_id) for job in jobs]
-        groups = _admission_groups(jobs, [k.partition for k in keys])
+        taken = yield from self._taken_elsewhere(jobs, keys)
+        groups = [kept for group in _admission_groups(jobs, [k.partition for k in keys])
+                  if (kept := [i for i in group if i not in taken])]
         calls = tuple(_admit(keys[group[0]], [jobs[i] for i in group],
-                             self.idempotency_window_ms) for group in groups)
-        replies: list[object]
+                             self.idempotency_window_ms, self._earlier_owners(
+                                 keys[group[0]], [jobs[i] for i in group]))
+                      for group in groups)
+        replies: list[object] = []
         if len(calls) > 1:
             replies = yield Pipelined(calls, errors_as_replies=True)
-        else:  # alone, not in a pipeline: a pipeline of one costs more
+        elif calls:  # alone, not in a pipeline: a pipeline of one costs more
             try:
                 replies = [(yield calls[0])]
             except redis.ResponseError as e:
                 replies = [e]
         per_job = _per_job(groups, replies, len(jobs))
+        for i in taken:
+            per_job[i] = redis.ResponseError(f"{DUPLICATE_REPLY} ?")
         self._refused(jobs, per_job)
         return _admitted(jobs, per_job)
+
+    def _elsewhere(self, keys: Keys, request_id: str) -> list[str]:
+        """The owner keys of ``request_id`` in the partitions other than ``keys``' that the
+        model's history allows (an id taken under an older count is taken)."""
+        history = self._histories.get(keys.model, ((1,), 0.0))[0]
+        return [keys.part(q).owner(request_id)
+                for q in candidate_partitions(request_id, history) if q != keys.partition]
+
+    def _earlier_owners(self, keys: Keys, jobs: Sequence[JobEnvelope]) -> list[str]:
+        """The jobs' owner keys elsewhere, for the admission call in ``keys``' partition
+        to check atomically; none on a cluster (other slots: see ``_taken_elsewhere``)."""
+        if self.one_slot_per_call:
+            return []
+        return [key for job in jobs for key in self._elsewhere(keys, job.request_id)]
+
+    def _taken_elsewhere(self, jobs: Sequence[JobEnvelope],
+                         keys: Sequence[Keys]) -> Steps[set[int]]:
+        """On a cluster, the indexes of the jobs whose id has an owner in another partition
+        of the history: one pipeline of EXISTS, before the admission calls (not atomic
+        with them: PROTOCOL.md "Partitions"). Elsewhere (and with one count) none."""
+        if not self.one_slot_per_call:
+            return set()
+        asks = [(i, key) for i, job in enumerate(jobs)
+                for key in self._elsewhere(keys[i], job.request_id)]
+        if not asks:
+            return set()
+        found = yield Pipelined(tuple(Command(("EXISTS", key)) for _, key in asks),
+                                errors_as_replies=True)
+        return {i for (i, _), reply in zip(asks, found, strict=True) if reply == 1}
 
     def _set_queue_limit(self, lane: Lane | str, max_jobs: int | None,
                          model: str | None) -> Steps[None]:
@@ -394,18 +433,19 @@ def _admission_groups(jobs: Sequence[JobEnvelope], parts: Sequence[int]) -> list
             for start in range(0, len(group), MAX_ADMIT_JOBS)]
 
 
-def _admit(keys: Keys, jobs: Sequence[JobEnvelope],
-           window_ms: int = IDEMPOTENCY_WINDOW_MS) -> Script:
-    """The admission function's call for jobs of one lane: its stream, the limits hash and
-    each id's owner key; the lane, then each job's owner TTL (the idempotency window
-    ``window_ms`` for a job without a deadline), request id and envelope."""
+def _admit(keys: Keys, jobs: Sequence[JobEnvelope], window_ms: int = IDEMPOTENCY_WINDOW_MS,
+           earlier: Sequence[str] = ()) -> Script:
+    """The admission function's call for jobs of one lane: its stream, the limits hash,
+    each id's owner key and the ``earlier`` owner keys of the ids in other partitions; the
+    lane, then each job's owner TTL (the idempotency window ``window_ms`` for a job without
+    a deadline), request id and envelope."""
     lane = Lane(jobs[0].lane)
     args: list[Arg] = [lane.value]
     for job in jobs:
         args += [owner_ttl_ms(job.budget_ms, window_ms), job.request_id,
                  job.encode()[FIELD_JOB]]
-    return Script([keys.stream(lane), keys.limits(), *(keys.owner(j.request_id) for j in jobs)],
-                 args)
+    return Script([keys.stream(lane), keys.limits(), *(keys.owner(j.request_id) for j in jobs),
+                   *earlier], args)
 
 
 def _per_job(groups: Sequence[Sequence[int]], replies: Sequence[object],

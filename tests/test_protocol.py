@@ -258,7 +258,8 @@ def test_doc_gives_the_admission_call_line_of_the_code() -> None:
     text = " ".join(DOC.split())
     assert f"admits one job or many (up to {p.MAX_ADMIT_JOBS:,})" in text
     assert f"N from 1 to {p.MAX_ADMIT_JOBS:,}" in text
-    assert f"if n < 1 or n > {p.MAX_ADMIT_JOBS} or #ARGV ~= 1 + 3 * n then" in p.ADMIT_SCRIPT
+    assert f"if n < 1 or n > {p.MAX_ADMIT_JOBS} or n % 1 ~= 0 or #KEYS < 2 + n then" \
+        in p.ADMIT_SCRIPT
     # The revision the script names is the one the page describes as current.
     revision = re.search(r"\(revision (\d+):", p.ADMIT_SCRIPT.splitlines()[0])
     assert revision is not None and f"Revision {int(revision.group(1)) - 1} admitted" in text

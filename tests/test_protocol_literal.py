@@ -439,7 +439,13 @@ def _bad_calls() -> dict[str, tuple[list[bytes], list[bytes], str]]:
         "one argument missing": (k, a[:-1], SHAPE),
         "one argument more": (k, [*a, b"x"], SHAPE),
         "a job's arguments without its owner key": (k[:-1], a, SHAPE),
-        "an owner key without its job's arguments": (k, a[:-3], SHAPE),
+        # Keys past the jobs' owners are owner keys of the call's ids in other partitions:
+        # job 2's owner key without job 2 is not one.
+        "an owner key without its job's arguments": (
+            k, a[:-3], f"KEYS[{len(k)}] is not an owner key of a job of the call"),
+        "an earlier owner key of another id": (
+            [*k, key("owner", "b3")], a,
+            f"KEYS[{len(k) + 1}] is not an owner key of a job of the call"),
         "revision 2's call of one job": (
             one_k, [one_a[0], one_a[1], b"rid", one_a[2], b"job", one_a[3]], SHAPE),
         "unknown lane": (k, [b"vip", *a[1:]], "unknown lane"),

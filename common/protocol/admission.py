@@ -17,12 +17,13 @@ MAX_ADMIT_JOBS = 1000
 """Most jobs one call of the admission script takes."""
 
 ADMIT_SCRIPT = f"""\
--- redbatch admission script, protocol 1 (revision 5: partition tags)
+-- redbatch admission script, protocol 1 (revision 6: earlier partitions' owners)
 -- KEYS: P:{{M}}:jobs:<lane>  P:{{M}}:limits  then P:{{M}}:owner:<request id> per job
+--       then any owner keys of the jobs' ids in other partitions (P:{{M#q}}:owner:<id>)
 -- ARGV: <lane>  then per job: <owner TTL ms>  <request id>  <msgpack job envelope>
 local function bad(why) return redis.error_reply('BAD_CALL ' .. why) end
-local n = #KEYS - 2
-if n < 1 or n > {MAX_ADMIT_JOBS} or #ARGV ~= 1 + 3 * n then
+local n = (#ARGV - 1) / 3
+if n < 1 or n > {MAX_ADMIT_JOBS} or n % 1 ~= 0 or #KEYS < 2 + n then
   return bad('expected 2 + N keys and 1 + 3N arguments, N from 1 to {MAX_ADMIT_JOBS}')
 end
 local lane = ARGV[1]
@@ -54,6 +55,18 @@ for i = 1, n do
     return redis.error_reply('NOPERM this user may not SET ' .. owner)
   end
 end
+local ids, earlier, head = {{}}, {{}}, prefix .. ':{{' .. model
+for i = 1, n do ids[ARGV[3 * i]] = true end
+for k = 3 + n, #KEYS do
+  local tail = KEYS[k]:sub(1, #head) == head and KEYS[k]:sub(#head + 1) or ''
+  local q, rid = tail:match('^#([1-9]%d*)}}:owner:(.+)$')
+  if not q then rid = tail:match('^}}:owner:(.+)$') end
+  if not (rid and ids[rid]) then
+    return bad('KEYS[' .. k .. '] is not an owner key of a job of the call')
+  end
+  local found = redis.pcall('GET', KEYS[k])
+  if found then earlier[rid] = type(found) == 'string' and found:match('^(%d+%-%d+)') or '?' end
+end
 local room, raw = n, redis.call('HGET', KEYS[2], lane)
 local bound = raw and raw:find('^%-?%d+%.?%d*$') and tonumber(raw)
 if bound then room = math.max(0, math.ceil(bound - redis.call('XLEN', KEYS[1]))) end
@@ -62,6 +75,8 @@ for i = 1, n do
   local owner = KEYS[2 + i]
   if room < 1 then
     replies[i] = {{err = 'QUEUE_FULL ' .. bound}}
+  elseif earlier[ARGV[3 * i]] then
+    replies[i] = {{err = 'DUPLICATE_REQUEST_ID ' .. earlier[ARGV[3 * i]]}}
   else
     local id = redis.call('XADD', KEYS[1], '*', 'rid', ARGV[3 * i], 'job', ARGV[3 * i + 1],
                           'adm', '1')
