@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 from redbatch.common.protocol import Keys, Lane, OwnerKeys
+from redbatch.gpu_worker.streams.transaction import Commands, pipelined
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +35,9 @@ class Claim:
 def rivals(r: redis.Redis, claims: Sequence[Claim]) -> list[bytes | None]:
     """For each claim, the entry id that owns its request id instead (a duplicate), or None
     when the id is its entry's. One round trip (the other entries' claims, then the
-    admitted entries' MGETs, in one pipeline), and a second only for admitted entries whose
-    owner is gone. Raises redis-py's errors of the pipeline as a whole (a lost connection)."""
+    admitted entries' MGETs, one pipeline, on a cluster one write to each master), and a
+    second only for admitted entries whose owner is gone. Raises redis-py's errors of the
+    pipeline as a whole (a lost connection)."""
     if not claims:
         return []
     others = [i for i, claim in enumerate(claims) if not claim.admitted]
@@ -43,28 +45,28 @@ def rivals(r: redis.Redis, claims: Sequence[Claim]) -> list[bytes | None]:
     for i, claim in enumerate(claims):
         if claim.admitted:
             by_part.setdefault(claim.keys.tag, []).append(i)
-    pipe = r.pipeline(transaction=False)
-    for i in others:
-        _claim(pipe, claims[i])
+    commands = [_claim(claims[i]) for i in others]
     for indexes in by_part.values():
-        pipe.mget([claims[i].keys.owner(claims[i].request_id) for i in indexes])
-    replies = pipe.execute(raise_on_error=False)
+        owners = [claims[i].keys.owner(claims[i].request_id) for i in indexes]
+        commands.append((owners[0], ("MGET", *owners)))
+    replies = pipelined(r, commands)
     out: list[bytes | None] = [None] * len(claims)
     for i, reply in zip(others, replies, strict=False):
         out[i] = OwnerKeys.rival(reply, claims[i].entry_id)
     unowned = _read_owners(claims, by_part, replies[len(others):], out)
     if unowned:
-        again = r.pipeline(transaction=False)
-        for i in unowned:
-            _claim(again, claims[i])
-        for i, reply in zip(unowned, again.execute(raise_on_error=False), strict=True):
+        again = pipelined(r, [_claim(claims[i]) for i in unowned])
+        for i, reply in zip(unowned, again, strict=True):
             out[i] = OwnerKeys.rival(reply, claims[i].entry_id)
     return out
 
 
-def _claim(pipe: Any, claim: Claim) -> None:
-    OwnerKeys(claim.keys).claim(pipe, claim.request_id, claim.entry_id, claim.lane,
-                                claim.budget_ms)
+def _claim(claim: Claim) -> tuple[str, tuple[Any, ...]]:
+    """The claim's SET NX GET (``OwnerKeys.claim``), as ``(key, command)``."""
+    recorded = Commands()
+    OwnerKeys(claim.keys).claim(cast(Any, recorded), claim.request_id, claim.entry_id,
+                                claim.lane, claim.budget_ms)
+    return claim.keys.owner(claim.request_id), recorded.args[0]
 
 
 def _read_owners(claims: Sequence[Claim], by_part: dict[str, list[int]],
