@@ -202,8 +202,10 @@ def test_duplicate_request_ids_are_refused_and_never_replace_the_first_result(
     # field only the admission function should write. The owner key names the first entry.
     with Client(redis_url) as client:
         client.submit(CAT, request_id="victim", timeout_s=60)
-    r.xadd(keys.streams()[0], {**JobEnvelope("victim", keys.model, b"forged").encode(),
-                               FIELD_ADMITTED: b"1"})
+    forged: dict[FieldT, EncodableT] = {
+        k: v for k, v in JobEnvelope("victim", keys.model, b"forged").encode().items()}
+    forged[FIELD_ADMITTED] = b"1"
+    r.xadd(keys.streams()[0], forged)
     start_worker()
     with Client(redis_url) as client:
         first = client.predict(CAT, request_id="same-id", timeout_s=60)

@@ -241,7 +241,8 @@ class Intake:
         their fields as read (``raw``, by entry id; see NOTE [ Request id owners ] in
         common/protocol/admission.py, and claims.py: FIELD_ADMITTED is checked against the
         owner key, never trusted)."""
-        items = [item for item in (*jobs, *bad) if item.request_id is not None]
+        every: list[Job | BadEntry] = [*jobs, *bad]
+        items = [item for item in every if item.request_id is not None]
         claims = [Claim(cast(str, item.request_id), item.entry_id, self._part_of[item.stream],
                         self._lane_of[item.stream],
                         item.envelope.budget_ms if isinstance(item, Job) else 0,
