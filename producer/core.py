@@ -260,34 +260,41 @@ class ClientCore:
         self._refused(jobs, per_job)
         return _admitted(jobs, per_job)
 
-    def _elsewhere(self, keys: Keys, request_id: str) -> list[str]:
-        """The owner keys of ``request_id`` in the partitions other than ``keys``' that the
-        model's history allows (an id taken under an older count is taken)."""
+    def _elsewhere(self, keys: Keys, request_id: str) -> list[Keys]:
+        """The keys of the partitions other than ``keys``' that ``request_id`` may have
+        gone to under the model's history (an id taken under an older count is taken)."""
         history = self._histories.get(keys.model, ((1,), 0.0))[0]
-        return [keys.part(q).owner(request_id)
-                for q in candidate_partitions(request_id, history) if q != keys.partition]
+        return [keys.part(q) for q in candidate_partitions(request_id, history)
+                if q != keys.partition]
 
     def _earlier_owners(self, keys: Keys, jobs: Sequence[JobEnvelope]) -> list[str]:
         """The jobs' owner keys elsewhere, for the admission call in ``keys``' partition
         to check atomically; none on a cluster (other slots: see ``_taken_elsewhere``)."""
         if self.one_slot_per_call:
             return []
-        return [key for job in jobs for key in self._elsewhere(keys, job.request_id)]
+        return [other.owner(job.request_id) for job in jobs
+                for other in self._elsewhere(keys, job.request_id)]
 
     def _taken_elsewhere(self, jobs: Sequence[JobEnvelope],
                          keys: Sequence[Keys]) -> Steps[set[int]]:
         """On a cluster, the indexes of the jobs whose id has an owner in another partition
-        of the history: one pipeline of EXISTS, before the admission calls (not atomic
-        with them: PROTOCOL.md "Partitions"). Elsewhere (and with one count) none."""
+        of the history: one MGET per such partition, in one pipeline, before the admission
+        calls (not atomic with them: PROTOCOL.md "Partitions"). Elsewhere none."""
         if not self.one_slot_per_call:
             return set()
-        asks = [(i, key) for i, job in enumerate(jobs)
-                for key in self._elsewhere(keys[i], job.request_id)]
+        asks: dict[str, tuple[Keys, list[int]]] = {}
+        for i, job in enumerate(jobs):
+            for other in self._elsewhere(keys[i], job.request_id):
+                asks.setdefault(other.tag, (other, []))[1].append(i)
         if not asks:
             return set()
-        found = yield Pipelined(tuple(Command(("EXISTS", key)) for _, key in asks),
+        found = yield Pipelined(tuple(Command(("MGET", *(part.owner(jobs[i].request_id)
+                                                          for i in indexes)))
+                                      for part, indexes in asks.values()),
                                 errors_as_replies=True)
-        return {i for (i, _), reply in zip(asks, found, strict=True) if reply == 1}
+        return {i for (_, indexes), values in zip(asks.values(), found, strict=True)
+                if isinstance(values, list)
+                for i, value in zip(indexes, values, strict=True) if value is not None}
 
     def _set_queue_limit(self, lane: Lane | str, max_jobs: int | None,
                          model: str | None) -> Steps[None]:

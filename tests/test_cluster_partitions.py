@@ -219,6 +219,22 @@ def test_a_cluster_job_costs_what_it_costs_on_one_redis_in_groups_per_partition(
     assert job_path <= 4 * n_jobs, calls
 
 
+def test_an_id_taken_under_an_older_count_is_refused_on_a_cluster_too(
+        cluster: LocalCluster, rc: redis.Redis) -> None:
+    """Issue 28, item 9, where the id's older partition is on another master: the client
+    reads the owners there first (one MGET per partition), so a resubmit after P rose from
+    1 to 3 is refused DUPLICATE_REQUEST_ID and queues nothing."""
+    rid = next(f"dup-{i}" for i in range(1000) if p.partition_of(f"dup-{i}", 3) != 0)
+    moved = Keys(MODEL, partition=p.partition_of(rid, 3))
+    with Client(cluster.url, model=MODEL) as first:
+        first.submit_jobs([first.job(FOUR, request_id=rid)])
+    rc.eval(p.RAISE_PARTITIONS_SCRIPT, 1, Keys(MODEL).partitions(), 3)
+    with Client(cluster.url, model=MODEL) as again:
+        with pytest.raises(DuplicateRequestId):
+            again.submit_jobs([again.job(FOUR, request_id=rid)])
+    assert rc.xlen(moved.stream(Lane.INTERACTIVE)) == 0 and not rc.exists(moved.owner(rid))
+
+
 def test_a_submission_loads_the_library_on_the_masters_that_lack_it_and_sends_those_again(
         cluster: LocalCluster, rc: redis.Redis) -> None:
     """One pipeline of admission calls over six partitions, the function library on one
