@@ -13,8 +13,9 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ \
 RUN pip install --no-cache-dir "torch==2.13.0"
 
 WORKDIR /app
-# Only what the package build reads: metadata, the readme it names, and the package folders.
-COPY pyproject.toml README.md PROTOCOL.md __init__.py py.typed ./
+# Only what the package build reads: metadata, the readme and license it names, and the
+# package folders.
+COPY pyproject.toml README.md PROTOCOL.md LICENSE __init__.py py.typed ./
 COPY cli ./cli
 COPY common ./common
 COPY producer ./producer

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
         ProtocolError,
         QueueFull,
         RedbatchError,
+        RedisRefusedCall,
+        RedisUnreachable,
         Result,
         ResultTimeout,
         ResultUnreadable,
@@ -48,8 +50,9 @@ if TYPE_CHECKING:
 #: the CLI does not load the client).
 __all__ = ["AsyncClient", "AsyncJobHandle", "Client", "DuplicateRequestId", "ErrorCode",
            "FunctionsMissing", "JobCancelled", "JobFailed", "JobHandle", "JobState",
-           "JobStatus", "Lane", "ProtocolError", "QueueFull", "RedbatchError", "Result",
-           "ResultTimeout", "ResultUnreadable"]
+           "JobStatus", "Lane", "ProtocolError", "QueueFull", "RedbatchError",
+           "RedisRefusedCall", "RedisUnreachable", "Result", "ResultTimeout",
+           "ResultUnreadable"]
 #: Where each comes from: the protocol's two, the client module the rest.
 _EXPORTS = {name: "redbatch.common.protocol" if name in ("ErrorCode", "Lane")
             else "redbatch.producer.client" for name in __all__}

@@ -46,7 +46,7 @@ import hashlib
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
@@ -75,7 +75,7 @@ SELECTORS_SINCE = (7, 0)
 _USER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     PRODUCER = "producer"
     WORKER = "worker"
 

@@ -35,6 +35,9 @@ if TYPE_CHECKING:
                    "size a round (the tables' medians come from them); 1: none.")
 @click.option("--warmup-runs", type=click.IntRange(min=0), default=2, show_default=True,
               help="Untimed runs per batch size and variant first.")
+@click.option("--fidelity-samples", type=click.IntRange(min=0), default=None,
+              help="Real samples each variant's answers are compared on; 0: random inputs "
+                   "only [default: the calibration's own].")
 @click.option("--variant", "variants", multiple=True,
               help="Measure only this variant (repeatable): eager, channels_last, fp16, bf16, "
                    "compile, or a '+' combination such as channels_last+fp16.")
@@ -91,12 +94,14 @@ def _settings(options: dict[str, Any], lanes: int) -> CalibrationSettings:
     """The sweep's CalibrationSettings, from the parsed options."""
     from redbatch.gpu_worker.tuning.calibrate import CalibrationSettings
 
+    samples = {} if options["fidelity_samples"] is None else \
+        {"fidelity_samples": options["fidelity_samples"]}
     return CalibrationSettings(
         max_batch=options["max_batch"], latency_budget_ms=options["latency_budget_ms"],
         runs=options["runs"], warmup_runs=options["warmup_runs"], rounds=options["rounds"],
         try_compile=options["try_compile"], variants=tuple(options["variants"]),
         memory_watermark=options["memory_watermark"], lanes=lanes,
-        allow_reduced_precision=options["allow_reduced_precision"])
+        allow_reduced_precision=options["allow_reduced_precision"], **samples)
 
 
 def format_table(profile: Profile) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TextIO
 
 from redbatch.cli.fleet_state import FleetStatus, ModelStatus, WorkerStatus
@@ -32,7 +32,7 @@ _LEAVE = "\x1b[?25h\x1b[?1049l"
 def render(status: FleetStatus) -> str:
     """The status as text: a title, one row per model and lane (summed over the model's
     partitions: ``PARTS`` is their count), then one row per worker."""
-    when = datetime.fromtimestamp(status.now_ms / 1000, timezone.utc).strftime("%H:%M:%S UTC")
+    when = datetime.fromtimestamp(status.now_ms / 1000, UTC).strftime("%H:%M:%S UTC")
     title = (f"redbatch  prefix {status.prefix}  {when}  "
              f"results, rates and latencies over the last {status.window_s:g} s")
     if not status.models:
@@ -101,7 +101,9 @@ def _table(columns: Sequence[str], rows: list[list[str]]) -> list[str]:
 def run_top(frame: Callable[[], str], interval_s: float, out: TextIO) -> None:
     """Draw ``frame()`` every ``interval_s`` until Ctrl-C (KeyboardInterrupt), then return.
 
-    On a terminal it uses the alternate screen, so the shell's screen comes back on exit.
+    On a terminal it redraws in place on the alternate screen, so the shell's screen comes
+    back on exit. Anywhere else (a pipe, a file) it writes plain snapshots, each followed
+    by a blank line, with no terminal codes (as ``top -b`` does).
     """
     tty = out.isatty()
     if tty:
@@ -121,9 +123,12 @@ def run_top(frame: Callable[[], str], interval_s: float, out: TextIO) -> None:
 
 def _draw(text: str, out: TextIO, tty: bool) -> None:
     lines = text.rstrip("\n").split("\n")
-    if tty:
-        # A wrapped line would push the frame down and break the in-place redraw.
-        size = shutil.get_terminal_size()
-        lines = [line[:size.columns] for line in lines[:size.lines - 1]]
+    if not tty:
+        out.write("\n".join(lines) + "\n\n")
+        out.flush()
+        return
+    # A wrapped line would push the frame down and break the in-place redraw.
+    size = shutil.get_terminal_size()
+    lines = [line[:size.columns] for line in lines[:size.lines - 1]]
     out.write(HOME + "".join(line + _CLEAR_LINE + "\n" for line in lines) + _CLEAR_BELOW)
     out.flush()

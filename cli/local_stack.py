@@ -44,6 +44,10 @@ def spawn_worker(redis_url: str, args: list[str], env: Mapping[str, str] | None 
     return proc
 
 
+class WorkerExited(RuntimeError):
+    """The worker process ended before it was ready (its own error is in its stderr)."""
+
+
 def wait_worker_ready(redis_url: str, keys: Keys, proc: subprocess.Popen[bytes],
                       timeout_s: float = 120.0, *, consumers_before: int = 0) -> None:
     """Block until ``proc`` reads jobs: the group has more consumers than
@@ -56,7 +60,7 @@ def wait_worker_ready(redis_url: str, keys: Keys, proc: subprocess.Popen[bytes],
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"worker exited with code {proc.returncode} before ready")
+                raise WorkerExited(f"exited with code {proc.returncode} before it was ready")
             if count_consumers(r, keys) > consumers_before or _beats(r, keys, proc.pid):
                 return
             time.sleep(0.1)

@@ -21,6 +21,7 @@ from redbatch.cli.errors import BadInput
 from redbatch.cli.redis_target import connect_to
 from redbatch.common.logs import setup_logging
 from redbatch.common.protocol import (
+    DEFAULT_PARTITIONS_SCRIPT,
     RAISE_PARTITIONS_SCRIPT,
     JobStatus,
     Keys,
@@ -76,6 +77,9 @@ def limit(lane: str | None, max_jobs: int | None, clear: bool, **options: Any) -
 def partitions(count: int | None, **options: Any) -> None:
     """Show the model's partition count and history, or raise it (PROTOCOL.md "Partitions").
 
+    ``--set 1`` on a model with no count records 1: workers on a cluster set a model with
+    no count to one partition per master when they first meet it, and leave a recorded 1.
+
     Lowering is refused: workers would stop reading the partitions past the count, and the
     jobs queued there would never run. Raising copies partition 0's queue bounds to the
     new partitions. Prints one JSON line.
@@ -87,6 +91,8 @@ def partitions(count: int | None, **options: Any) -> None:
     if count is not None:
         try:
             r.eval(RAISE_PARTITIONS_SCRIPT, 1, keys.partitions(), count)
+            if count == 1:  # recorded: workers on a cluster then leave it at 1
+                r.eval(DEFAULT_PARTITIONS_SCRIPT, 1, keys.partitions(), 1)
         except redis.ResponseError as e:
             raise click.ClickException(str(e)) from None
     history = parse_partition_history(r.lrange(keys.partitions(), 0, -1))
@@ -172,10 +178,15 @@ _PARTITION = click.option(
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many.")
 @_PARTITION
 def dlq_list(limit: int | None, partition: int | None, **options: Any) -> None:
-    """Print one JSON line per dead letter, oldest first, with its partition."""
+    """Print one JSON line per dead letter, oldest first, with its partition; with none,
+    say so in one line on stderr (stdout stays JSON lines only)."""
     r, keys = _dlq_target(options)
-    for entry in _or_bad_input(lambda: list(dead_letters.entries(r, keys, limit, partition))):
+    found = _or_bad_input(lambda: list(dead_letters.entries(r, keys, limit, partition)))
+    for entry in found:
         click.echo(json.dumps(entry))
+    if not found:
+        where = "" if partition is None else f" in partition {partition}"
+        click.echo(f"no dead letters of model {keys.model!r}{where}", err=True)
 
 
 @dlq.command("retry")

@@ -15,8 +15,8 @@ from typing import Any
 
 import click
 import redis
-from redbatch.cli.errors import WORKER_EXTRA, WORKER_MODULES, OrdinaryError
-from redbatch.cli.local_stack import LocalStack
+from redbatch.cli.errors import WORKER_EXTRA, WORKER_MODULES, BadInput, OrdinaryError
+from redbatch.cli.local_stack import LocalStack, WorkerExited
 from redbatch.cli.options import served_name
 from redbatch.cli.redis_server import RedisServerError
 from redbatch.common.config import RedisSettings
@@ -74,6 +74,12 @@ def redis_for(options: dict[str, Any]) -> Iterator[str]:
         raise OrdinaryError(f"without --redis this command starts a private worker, which "
                             f"needs {WORKER_EXTRA} (missing: {', '.join(missing)}); or give "
                             "--redis the URL of a Redis that workers serve")
+    from redbatch.handlers.base import check_spec  # numpy, no torch: the worker extra's
+
+    try:  # an unknown --model is refused before the stack starts, not by its worker
+        check_spec(options["model_spec"])
+    except ValueError as e:
+        raise BadInput(str(e)) from None
     try:
         # The private worker's start-up lines would bury the command's own output.
         quiet = [] if options["log_level"].upper() == "DEBUG" else ["--log-level", "WARNING"]
@@ -89,3 +95,5 @@ def redis_for(options: dict[str, Any]) -> Iterator[str]:
             yield stack.url
     except RedisServerError as e:
         raise click.ClickException(str(e)) from e
+    except WorkerExited as e:  # its own error, if it said one, is just above
+        raise OrdinaryError(f"the private worker {e}") from None

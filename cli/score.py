@@ -24,11 +24,12 @@ from redbatch.cli.signals import signals_raise, signals_stop
 from redbatch.common.config import default_of
 from redbatch.common.logs import setup_logging
 from redbatch.common.protocol import Lane
+from redbatch.common.redis_io import RedisRefused, RedisUnavailable
 from redbatch.producer.client import Client
 from redbatch.scoring.bulk import BulkScorer, ScoreSettings
 from redbatch.scoring.inputs import ManifestError, count_items, iter_items
 from redbatch.scoring.output import DoneIndex, OutputWriter
-from redbatch.scoring.progress import Progress
+from redbatch.scoring.progress import Progress, verdict
 from redbatch.scoring.watch import WorkerWatch
 
 logger = logging.getLogger(__name__)
@@ -57,17 +58,25 @@ logger = logging.getLogger(__name__)
        help="Each line of a .txt input is a text to score (a text model such as "
             "all_minilm_l6_v2), not the path of a file. A .jsonl row with 'text' is one "
             "anyway.")
+@o.opt("--redis-wait-s", env="REDIS_WAIT_S", type=click.FloatRange(min=0),
+       default=default_of(ScoreSettings, "redis_wait_s"),
+       help="How long Redis may stay out of reach before the inputs left are written as "
+            "'redis_unavailable' errors, seconds.")
+@o.opt("--max-error-rate", env="MAX_ERROR_RATE", type=click.FloatRange(0, 1),
+       default=default_of(ScoreSettings, "max_error_rate"),
+       help="The share of inputs (0-1) that may fail with the run still a success (exit 0).")
 @o.opt("--tune", env="TUNE", is_flag=True, default=False,
        help="Without --redis: calibrate the private worker for this machine first when no "
             "profile exists (minutes, once), and store the profile every later run loads.")
 def score(inputs: tuple[str, ...], output: str, fmt: str | None, resume: bool,
           overwrite: bool, window: int, timeout_s: float, grace_s: float, lane: str,
-          texts: bool, **options: Any) -> None:
+          texts: bool, redis_wait_s: float, max_error_rate: float, **options: Any) -> None:
     """Score INPUTS (images, folders, .txt or .jsonl manifests, or texts) into an output
     file.
 
-    Per-input failures are records in the output; the exit code is non-zero only when
-    the run could not complete (1) or was interrupted (130; rerun with --resume).
+    Every input gets a record; per-input failures are error records. The exit code is
+    0 when at most --max-error-rate of the inputs failed, 1 when more did or an input has
+    no record, 130 when interrupted (rerun with --resume); the last line says which.
     """
     started = time.monotonic()
     setup_logging(options["log_level"])
@@ -76,24 +85,30 @@ def score(inputs: tuple[str, ...], output: str, fmt: str | None, resume: bool,
         raise click.ClickException(f"{output} exists: use --resume to finish it or "
                                    "--overwrite to replace it")
     check_output_folder(output)
-    if next(iter(iter_items(inputs, texts)), None) is None:  # checked before anything starts
+    try:  # checked before anything starts
+        first = next(iter(iter_items(inputs, texts)), None)
+    except ManifestError as e:  # a malformed first line: one line, as any other
+        raise click.ClickException(str(e)) from None
+    if first is None:
         raise BadInput(f"nothing to score: no {'text' if texts else 'image'} in "
                        f"{', '.join(inputs)}")
     settings = ScoreSettings(window=window, lane=Lane(lane), timeout_s=timeout_s,
-                             grace_s=grace_s)
+                             grace_s=grace_s, redis_wait_s=redis_wait_s,
+                             max_error_rate=max_error_rate)
     existed = Path(output).exists()
     try:
-        complete = _score(inputs, texts, output, fmt, resume, settings, options, started)
+        code, line = _score(inputs, texts, output, fmt, resume, settings, options, started)
     except ManifestError as e:
         _remove_if_empty(output, fmt, existed)
         raise click.ClickException(str(e)) from e
-    except (redis.ConnectionError, redis.TimeoutError) as e:
+    except (redis.ConnectionError, redis.TimeoutError, RedisUnavailable) as e:
         raise click.ClickException(f"lost the connection to Redis: {e}; the output holds "
                                    "what was finished, rerun with --resume") from e
-    except redis.ResponseError as e:  # NOPERM, OOM, READONLY...: said by Redis, one line
+    except (redis.ResponseError, RedisRefused) as e:  # NOPERM, OOM...: said by Redis, one line
         raise click.ClickException(f"Redis refused: {e}; the output holds what was "
                                    "finished, rerun with --resume") from e
-    sys.exit(0 if complete else 130)
+    click.echo(line, err=True)
+    sys.exit(code)
 
 
 def check_output_folder(output: str) -> None:
@@ -118,9 +133,10 @@ def _remove_if_empty(output: str, fmt: str, existed: bool) -> None:
 
 
 def _score(inputs: tuple[str, ...], texts: bool, output: str, fmt: str, resume: bool,
-           settings: ScoreSettings, options: dict[str, Any], started: float) -> bool:
-    """Run the scorer to the end or to a stop signal; True when every input was done.
-    ``started``: when the command began (monotonic), for the summary's start-up time."""
+           settings: ScoreSettings, options: dict[str, Any], started: float) -> tuple[int, str]:
+    """Run the scorer to the end or to a stop signal; the exit code and the line that says
+    why (``progress.verdict``). ``started``: when the command began (monotonic), for the
+    summary's start-up time."""
     done = DoneIndex.from_output(output, fmt) if resume else DoneIndex.empty()
     name = o.served_name(options)
     with signals_raise(), redis_for(options) as url, \
@@ -138,4 +154,4 @@ def _score(inputs: tuple[str, ...], texts: bool, output: str, fmt: str, resume: 
         finally:
             writer.close()
             click.echo(scorer.stats.summary(), err=True)
-    return complete
+    return verdict(scorer.stats, complete, scorer.stopping.is_set(), settings.max_error_rate)

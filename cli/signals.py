@@ -16,9 +16,11 @@ logger = logging.getLogger(__name__)
 
 
 @contextmanager
-def signals_stop(stop: Callable[[], None], abort: Callable[[], None]) -> Iterator[None]:
-    """First SIGINT/SIGTERM: ``stop()`` (graceful); second: ``abort()``."""
-    seen = []
+def signals_stop(stop: Callable[[], None],
+                 abort: Callable[[], None]) -> Iterator[list[int]]:
+    """First SIGINT/SIGTERM: ``stop()`` (graceful); second: ``abort()``. Yields the list of
+    the signals received so far (so that a stop by Ctrl-C can exit 130)."""
+    seen: list[int] = []
 
     def handler(signum: int, frame: FrameType | None) -> None:
         seen.append(signum)
@@ -27,7 +29,7 @@ def signals_stop(stop: Callable[[], None], abort: Callable[[], None]) -> Iterato
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield seen
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

@@ -7,11 +7,13 @@ with :func:`default_of`.
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Any
 
 import click
 from redbatch.cli import options as o
+from redbatch.cli.errors import Interrupted
 from redbatch.cli.options import opt, together
 from redbatch.cli.signals import signals_stop
 from redbatch.common.config import (
@@ -26,6 +28,7 @@ from redbatch.common.config import (
     default_of,
 )
 from redbatch.common.logs import setup_logging
+from redbatch.common.redis_io import RedisUnavailable
 
 #: --autocast's choices: the flag's word for each ModelSettings.autocast dtype.
 AUTOCAST = {"off": "", "fp16": "float16", "bf16": "bfloat16"}
@@ -166,11 +169,15 @@ def worker(**options: Any) -> None:
     from redbatch.gpu_worker.worker import Worker
 
     w = Worker(settings)
-    with signals_stop(w.stop, w.abort):
+    with signals_stop(w.stop, w.abort) as seen:
         try:
             w.run()
         except ValueError as e:  # a bad --model or --device: say so, without a traceback
             raise click.ClickException(str(e)) from e
+        except RedisUnavailable:  # stopped before Redis answered
+            if signal.SIGINT in seen:  # Ctrl-C: 130, as every command says it
+                raise Interrupted("interrupted while waiting for Redis") from None
+            raise
     if w.device_failed:
         sys.exit(3)  # for the supervisor: restart me
 

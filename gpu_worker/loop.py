@@ -103,6 +103,9 @@ class MainLoop:
         self._gauges_at = 0.0
         self._burst = self.settings.burst
         self._idle: set[int] = set()  # models whose streams intake found empty (burst mode)
+        #: Jobs this loop took in (Read) and has not yet answered. Not capacity.in_use: the
+        #: intake thread holds places for its next read too, so that is never 0 between reads.
+        self._held = 0
 
     def run(self) -> None:
         """Step until stopped and drained (or the grace is over), or aborted."""
@@ -216,6 +219,7 @@ class MainLoop:
             self._on_preprocessed(event)
         elif isinstance(event, Read):
             self._idle.discard(event.model)
+            self._held += len(event.jobs) + len(event.bad)
             self._on_read(self.models[event.model], event)
         elif isinstance(event, Ran):
             self._on_ran(self.models[event.model], event)
@@ -231,7 +235,7 @@ class MainLoop:
             self.control.abort()
         elif isinstance(event, Idle) and self._burst:
             self._idle.add(event.model)
-            if len(self._idle) == len(self.models) and self.in_use == 0:
+            if len(self._idle) == len(self.models) and self._held == 0:
                 logger.info("burst mode: streams drained, stopping")
                 self.control.stop()
 
@@ -330,3 +334,4 @@ class MainLoop:
                             a.dead_letter is not None) for a in answers)
         m.metrics.dead_lettered.inc(undeliverable)
         m.capacity.give_back(len(answers), bulk=sum(a.lane is Lane.BULK for a in answers))
+        self._held -= len(answers)

@@ -1,7 +1,7 @@
 """Every Prometheus metric of a worker, and the HTTP server for /metrics, /healthz, /readyz.
 
-The metric contract (README "Metrics and health"; the Grafana dashboard and the Prometheus
-config use these names). Every metric has the label ``model``; others are listed. Gauges
+The metric contract (docs/operations.md "Metrics and health"; the Grafana dashboard and the
+Prometheus config use these names). Every metric has the label ``model``; others are listed. Gauges
 marked "sampled" are refreshed every 1-2 s; everything else is recorded as it happens.
 
   counters
@@ -449,12 +449,20 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
 
     def do_GET(self) -> None:
+        self._answer(body_too=True)
+
+    def do_HEAD(self) -> None:
+        """As GET, headers only (a load balancer's or curl -I's probe)."""
+        self._answer(body_too=False)
+
+    def _answer(self, body_too: bool) -> None:
         status, content_type, body = self.server.endpoints.respond(self.path.split("?", 1)[0])
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if body_too:
+            self.wfile.write(body)
 
     def log_message(self, format: str, *args: object) -> None:
         # One line per scrape every few seconds would drown the worker's log.

@@ -23,12 +23,11 @@ from contextlib import ExitStack
 from typing import Any
 
 from redbatch.common.config import Settings, redact_url
-from redbatch.common.redis_io import connect
 from redbatch.gpu_worker.device.prepare import memory_in_use
 from redbatch.gpu_worker.events import Channels, Control
 from redbatch.gpu_worker.loop import MAX_IDLE_WAIT_S, MainLoop
 from redbatch.gpu_worker.metrics import Health, MetricsServer, WorkerMetrics
-from redbatch.gpu_worker.startup import Parts, Served, build
+from redbatch.gpu_worker.startup import Parts, Served, build, connect_waiting
 from redbatch.gpu_worker.streams.heartbeat import Heartbeat
 from redbatch.gpu_worker.streams.sampler import Sampler
 from redbatch.gpu_worker.threads import Reader, collect_batches, submit_batches, write_answers
@@ -118,7 +117,9 @@ class Worker:
         s, ch, stop, health = m.settings, self.channels, self.control.stopping, \
             self.control.health
         reader = Reader(m.intake, m.capacity, m.metrics, health, ch.events.put, m.index)
-        sampler = Sampler(connect(s.redis), m.intake.keys, m.metrics, health,
+        # Waiting: a cluster client reads the slot map when made, and the cluster may be
+        # away by now (a worker that started must never exit for that).
+        sampler = Sampler(connect_waiting(s.redis, stop), m.intake.keys, m.metrics, health,
                           str(m.runner.device), gpu_memory=memory_in_use)
         return [("intake" + suffix, reader.run,
                  (stop, s.batch.max_inflight, s.block_ms, MAX_IDLE_WAIT_S)),
@@ -141,7 +142,8 @@ class Worker:
         for m in parts.models:
             s = m.settings
             heartbeat = Heartbeat.for_worker(
-                connect(s.redis), m.intake.keys, s.consumer, str(m.runner.device),
+                connect_waiting(s.redis, self.control.stopping), m.intake.keys, s.consumer,
+                str(m.runner.device),
                 s.batch.max_batch_size, _in_use(m.allocator),
                 self._metrics_server.port if metrics_on else None, health=self.control.health)
             heartbeat.start()

@@ -104,17 +104,27 @@ def calibrates(handler: Handler) -> bool:
     return bool(getattr(handler, "calibrates", True))
 
 
-def load_handler(spec: str, limits: LimitSettings) -> Handler:
-    """Build the handler that ``spec`` names; raises ValueError with the accepted forms."""
-    if spec in BUILTIN:
-        return BUILTIN[spec](limits)
+def check_spec(spec: str) -> None:
+    """Raise the ValueError :func:`load_handler` would for ``spec`` when it can tell without
+    loading anything (an unknown name, a TorchScript file that is not there), so that a
+    command refuses it before starting a worker; a factory is only checked by loading it."""
+    if spec in BUILTIN or ":" in spec:
+        return
     if spec.endswith((".pt", ".pth", ".ts")):
         if not Path(spec).is_file():
             raise ValueError(f"TorchScript file {spec!r} does not exist")
-        return TorchScriptClassifier(spec, limits)
-    if ":" in spec:
-        module_name, _, attr = spec.partition(":")
-        factory = getattr(importlib.import_module(module_name), attr)
-        return factory(limits)  # type: ignore[no-any-return]
+        return
     raise ValueError(f"unknown model {spec!r}: use one of {sorted(BUILTIN)}, a TorchScript "
                      "file (*.pt) or a factory 'package.module:callable'")
+
+
+def load_handler(spec: str, limits: LimitSettings) -> Handler:
+    """Build the handler that ``spec`` names; raises ValueError with the accepted forms."""
+    check_spec(spec)
+    if spec in BUILTIN:
+        return BUILTIN[spec](limits)
+    if ":" not in spec:
+        return TorchScriptClassifier(spec, limits)
+    module_name, _, attr = spec.partition(":")
+    factory = getattr(importlib.import_module(module_name), attr)
+    return factory(limits)  # type: ignore[no-any-return]

@@ -32,10 +32,17 @@ reply reader (``readers.py``); this module holds only the two faces. The errors 
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from redbatch.common.config import DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_MODEL, DEFAULT_REDIS_URL
+from redbatch.common.config import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    DEFAULT_MODEL,
+    DEFAULT_REDIS_URL,
+    RedisSettings,
+    default_of,
+)
 from redbatch.common.protocol import (
     DEFAULT_PREFIX,
     IDEMPOTENCY_WINDOW_MS,
@@ -56,19 +63,25 @@ from redbatch.producer.errors import (
     DuplicateRequestId,
     FunctionsMissing,
     QueueFull,
+    RedisRefusedCall,
+    RedisUnreachable,
     ResultTimeout,
     ResultUnreadable,
 )
 from redbatch.producer.handles import AsyncJobHandle, JobHandle
 from redbatch.producer.readers import ReaderTasks, ReaderThreads
-from redbatch.producer.runners import AsyncInbox, AsyncRunner, BlockingRunner, SyncInbox
+from redbatch.producer.runners import AsyncInbox, AsyncRunner, BlockingRunner, SyncInbox, connected
 
 __all__ = ["AsyncClient", "AsyncJobHandle", "Client", "DuplicateRequestId", "FunctionsMissing",
            "JobCancelled", "JobFailed", "JobHandle", "JobState", "JobStatus", "ProtocolError",
-           "QueueFull", "QueueState", "RedbatchError", "Result", "ResultTimeout",
-           "ResultUnreadable", "WorkerRecord"]
+           "QueueFull", "QueueState", "RedbatchError", "RedisRefusedCall", "RedisUnreachable",
+           "Result", "ResultTimeout", "ResultUnreadable", "WorkerRecord"]
 
 Result = ResultEnvelope
+#: How long a call that is no wait (submit, status, cancel, workers, ...) may go unanswered
+#: before it raises RedisUnreachable, s: the socket timeout (RedisSettings), for opening a
+#: connection and for each reply. Waits end by their own timeout.
+REDIS_TIMEOUT_S: float = default_of(RedisSettings, "socket_timeout_s")
 
 
 class Client(ClientCore):
@@ -77,17 +90,25 @@ class Client(ClientCore):
     >>> c = Client("redis://localhost:6379/0")
     >>> job = c.submit(open("cat.jpg", "rb").read())
     >>> job.result(timeout_s=10).raise_for_error().output["label"]
+
+    Every error a call raises is a RedbatchError. A wait (``result``, ``results``,
+    ``as_completed``, ``predict``'s) ends by its ``timeout_s`` whatever Redis does, with
+    ResultTimeout. Any other call raises RedisUnreachable when Redis refuses the connection
+    or sends no reply within ``redis_timeout_s`` (twice that at worst when a connection
+    must be opened too), and RedisRefusedCall when it answers with an error.
     """
 
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, *, model: str = DEFAULT_MODEL,
                  prefix: str = DEFAULT_PREFIX,
                  max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                 redis_timeout_s: float = REDIS_TIMEOUT_S,
                  idempotency_window_s: float = IDEMPOTENCY_WINDOW_MS / 1000) -> None:
         super().__init__(redis_url, model, prefix, max_payload_bytes, idempotency_window_s)
-        self.redis = connect(redis_url)
+        settings = RedisSettings(url=redis_url, socket_timeout_s=redis_timeout_s)
+        self.redis = connected(connect, settings)
         self.one_slot_per_call = is_cluster(self.redis)
         self._run = BlockingRunner(self.redis).run
-        self._readers = ReaderThreads(redis_url)
+        self._readers = ReaderThreads(settings)
 
     def submit(self, payload: Any, *, model: str | None = None, timeout_s: float | None = None,
                lane: Lane | str = Lane.INTERACTIVE, params: Mapping[str, Any] | None = None,
@@ -241,8 +262,9 @@ class Client(ClientCore):
     def _gather(self, request_ids: Sequence[str], timeout_s: float,
                 model: str | None) -> Iterator[tuple[str, ResultEnvelope]]:
         """``(request_id, result)`` pairs as they come (see replies.Gathering)."""
-        self._run(self._history(model))  # whose partitions the ids may be in
-        gathering = self._gathering(request_ids, timeout_s, model, SyncInbox())
+        deadline = time.monotonic() + timeout_s
+        self._run(self._wait_history(model, request_ids, timeout_s, deadline))
+        gathering = self._gathering(request_ids, timeout_s, model, SyncInbox(), deadline)
         try:
             while (got := self._run(gathering.next())) is not None:
                 yield got
@@ -256,12 +278,14 @@ class AsyncClient(ClientCore):
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, *, model: str = DEFAULT_MODEL,
                  prefix: str = DEFAULT_PREFIX,
                  max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+                 redis_timeout_s: float = REDIS_TIMEOUT_S,
                  idempotency_window_s: float = IDEMPOTENCY_WINDOW_MS / 1000) -> None:
         super().__init__(redis_url, model, prefix, max_payload_bytes, idempotency_window_s)
-        self.redis = connect_async(redis_url)
+        settings = RedisSettings(url=redis_url, socket_timeout_s=redis_timeout_s)
+        self.redis = connected(connect_async, settings)
         self.one_slot_per_call = is_cluster(self.redis)
         self._run = AsyncRunner(self.redis).run
-        self._readers = ReaderTasks(redis_url)
+        self._readers = ReaderTasks(settings)
 
     async def submit(self, payload: Any, *, model: str | None = None,
                      timeout_s: float | None = None, lane: Lane | str = Lane.INTERACTIVE,
@@ -289,6 +313,10 @@ class AsyncClient(ClientCore):
         finally:
             self._start_readers()
         return [self._handle(job) for job in admitted_jobs(jobs, admitted)]
+
+    async def partitions(self, model: str | None = None) -> tuple[int, ...]:
+        """As :meth:`Client.partitions`."""
+        return await self._run(self._history(model))
 
     async def status(self, request_id: str, *, model: str | None = None) -> JobStatus:
         """As :meth:`Client.status`."""
@@ -363,8 +391,9 @@ class AsyncClient(ClientCore):
     async def _gather(self, request_ids: Sequence[str], timeout_s: float,
                       model: str | None) -> AsyncIterator[tuple[str, ResultEnvelope]]:
         """As :meth:`Client._gather`."""
-        await self._run(self._history(model))
-        gathering = self._gathering(request_ids, timeout_s, model, AsyncInbox())
+        deadline = time.monotonic() + timeout_s
+        await self._run(self._wait_history(model, request_ids, timeout_s, deadline))
+        gathering = self._gathering(request_ids, timeout_s, model, AsyncInbox(), deadline)
         try:
             while (got := await self._run(gathering.next())) is not None:
                 yield got

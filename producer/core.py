@@ -12,6 +12,7 @@ an id is looked for); splitting them would split what the faces share.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -47,13 +48,16 @@ from redbatch.common.protocol import (
 )
 from redbatch.common.protocol.functions import CANCEL_FUNCTION, STATUS_FUNCTION
 from redbatch.common.protocol.payloads import encode_payload
-from redbatch.producer.calls import Arg, Command, Inbox, Pipelined, Script, Steps
-from redbatch.producer.errors import DuplicateRequestId, QueueFull, ResultUnreadable
+from redbatch.common.redis_io import error_code
+from redbatch.producer.calls import Arg, Command, Inbox, Pause, Pipelined, Script, Steps
+from redbatch.producer.errors import DuplicateRequestId, QueueFull, ResultTimeout, ResultUnreadable
 from redbatch.producer.replies import Gathering, ReplyWaits
-from redbatch.producer.wait import DoneMoves
+from redbatch.producer.wait import RECONNECT_PAUSE_S, DoneMoves, reply_by
 
 PARTITIONS_REFRESH_S = 5.0
 """How long the client trusts the partition count it read (PROTOCOL.md "Partitions")."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +109,8 @@ class ClientCore:
         self.moves = DoneMoves()
         #: Each model's partition history and when it was read (monotonic s).
         self._histories: dict[str, tuple[tuple[int, ...], float]] = {}
+        #: Models whose partitions key held another type (warned once each).
+        self._bad_counts: set[str] = set()
 
     def keys(self, model: str | None = None) -> Keys:
         """The keys of ``model`` (default: the client's) under the client's prefix."""
@@ -167,15 +173,42 @@ class ClientCore:
             waits = self.reply_waits.setdefault(keys.tag, ReplyWaits(keys, self.name))
         return waits
 
-    def _history(self, model: str | None) -> Steps[tuple[int, ...]]:
-        """The model's partition history, read again when older than PARTITIONS_REFRESH_S."""
+    def _history(self, model: str | None, due: float | None = None) -> Steps[tuple[int, ...]]:
+        """The model's partition history, read again when older than PARTITIONS_REFRESH_S;
+        the reply is due by ``due`` (monotonic s) when given, else the socket timeout's."""
         keys = self.keys(model)
         cached = self._histories.get(keys.model)
         if cached is not None and time.monotonic() - cached[1] < PARTITIONS_REFRESH_S:
             return cached[0]
-        history = parse_partition_history((yield Command(("LRANGE", keys.partitions(), 0, -1))))
+        try:
+            raw = yield Command(("LRANGE", keys.partitions(), 0, -1), due)
+        except redis.ResponseError as e:
+            if error_code(e) != "WRONGTYPE":
+                raise
+            raw = None  # unreadable: 1 (PROTOCOL.md "Partitions")
+            if keys.model not in self._bad_counts:
+                self._bad_counts.add(keys.model)
+                logger.warning("%s is not a list (%s): it reads as 1 partition",
+                               keys.partitions(), e)
+        history = parse_partition_history(raw)
         self._histories[keys.model] = (history, time.monotonic())
         return history
+
+    def _wait_history(self, model: str | None, request_ids: Sequence[str], timeout_s: float,
+                      deadline: float) -> Steps[None]:
+        """Read the partition history a wait needs (whose partitions its ids may be in),
+        again after a lost or late connection; ResultTimeout (naming the first id) once
+        ``deadline`` (monotonic s) passes, as every wait ends whatever Redis does."""
+        while True:
+            try:
+                yield from self._history(model, reply_by(deadline))
+                return
+            except (redis.ConnectionError, redis.TimeoutError):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ResultTimeout(request_ids[0] if request_ids else "", timeout_s) \
+                        from None
+                yield Pause(min(RECONNECT_PAUSE_S, left))
 
     def _job_keys(self, model: str | None, request_id: str) -> Keys:
         """The keys of the partition ``request_id`` goes to under the count last read."""
@@ -399,15 +432,16 @@ class ClientCore:
         return (reply.decode() if isinstance(reply, bytes) else str(reply)).split(" ", 1)[0]
 
     def _gathering(self, request_ids: Sequence[str], timeout_s: float, model: str | None,
-                   inbox: Inbox) -> Gathering:
-        """The wait for ``request_ids`` of ``model``, through ``inbox`` (see replies.py)."""
+                   inbox: Inbox, deadline: float | None = None) -> Gathering:
+        """The wait for ``request_ids`` of ``model``, through ``inbox`` (see replies.py),
+        ending ``timeout_s`` from now or at ``deadline`` (monotonic s) when given."""
         name = self.keys(model).model
         waits = [w for w in self.reply_waits.values() if w.keys.model == name]
         history = self._histories.get(name, ((1,), 0.0))[0]
         keys = self.keys(name)
         gathering = Gathering(waits, lambda rid: [keys.part(p) for p in
                                                   candidate_partitions(rid, history)],
-                              request_ids, timeout_s, inbox)
+                              request_ids, timeout_s, inbox, deadline)
         gathering.moves = self.moves
         return gathering
 

@@ -1,19 +1,67 @@
-"""What the client raises: refusals at submit (QueueFull, DuplicateRequestId) and the
-two ways a wait ends without a result (ResultTimeout, ResultUnreadable); with JobFailed
-(an error result, raised on request), ProtocolError and FunctionsMissing (no function
-library on Redis), all are RedbatchError, and each
-carries its ``code``.
+"""What the client raises: refusals at submit (QueueFull, DuplicateRequestId), the two
+ways a wait ends without a result (ResultTimeout, ResultUnreadable), and a call Redis did
+not answer (RedisUnreachable) or refused (RedisRefusedCall); with JobFailed (an error
+result, raised on request), ProtocolError and FunctionsMissing (no function library
+on Redis), all are RedbatchError, and each carries its
+``code``, a ``str``. No redis-py exception leaves the client (:func:`client_error`
+translates them where the faces run the calls, ``runners.py``).
 
 Import them from ``redbatch`` (or ``redbatch.producer.client``), which re-export them.
 """
 
 from __future__ import annotations
 
+import redis
 from redbatch.common.protocol import ErrorCode, Lane, ProtocolError, RedbatchError
+from redbatch.common.redis_io import RedisRefused, RedisUnavailable, error_code
 
 #: The code of a wait that ended without a result: ResultTimeout's, and what `redbatch
 #: submit` and `redbatch score` write for such a job. A client's code, never a worker's.
 RESULT_TIMEOUT = "timeout"
+#: The code of a call Redis did not answer (RedisUnreachable's), and what `redbatch score`
+#: writes for an input it gave up on when Redis stayed away. A client's code.
+REDIS_UNAVAILABLE = "redis_unavailable"
+#: The code of a call Redis answered with an error (RedisRefusedCall's). A client's code.
+REDIS_REFUSED = "redis_refused"
+#: What redis-py raises when Redis is out of reach: a refused, dropped or late connection,
+#: or a cluster whose slot map cannot be read.
+_UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterError,
+                redis.exceptions.SlotNotCoveredError)
+#: Everything redis-py raises (its cluster errors are no RedisError).
+REDIS_PY_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
+
+
+class RedisUnreachable(RedbatchError, RedisUnavailable):
+    """Redis did not answer a call: the connection was refused or dropped, or no reply
+    came within the client's ``redis_timeout_s`` (a hung Redis). What the call did is
+    unknown: a submit may have queued its jobs (submitting the same envelopes again is
+    safe, see DuplicateRequestId). Waits never raise it: they retry until their timeout
+    and raise ResultTimeout."""
+
+    code = REDIS_UNAVAILABLE
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"{REDIS_UNAVAILABLE}: Redis did not answer: {why}")
+
+
+class RedisRefusedCall(RedbatchError, RedisRefused):
+    """Redis answered a call with an error: out of memory (OOM), a replica (READONLY), a
+    user's ACL (NOPERM), ... ``reply_code`` is the first word of its reply."""
+
+    code = REDIS_REFUSED
+
+    def __init__(self, reply_code: str, why: str) -> None:
+        super().__init__(f"{REDIS_REFUSED}: Redis refused the call: {why}")
+        self.reply_code = reply_code
+
+
+def client_error(e: BaseException) -> RedbatchError:
+    """The client's error for an exception redis-py raised (raise it ``from e``)."""
+    if isinstance(e, redis.AuthenticationError):  # a ConnectionError, but an answer
+        return RedisRefusedCall("AUTH", str(e))
+    if isinstance(e, _UNREACHABLE):
+        return RedisUnreachable(str(e) or type(e).__name__)
+    return RedisRefusedCall(error_code(e), str(e) or type(e).__name__)
 
 
 class ResultTimeout(RedbatchError, TimeoutError):

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
 from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+from redbatch.common.config import RedisSettings
 from redbatch.common.redis_io import connect, connect_async
 from redbatch.producer.replies import ReplyWaits
 from redbatch.producer.runners import AsyncRunner, BlockingRunner
@@ -41,8 +41,8 @@ class ReaderThreads:
     connection of that client's pool (of the node its list lives on, on a cluster), and a
     client with many partitions opens one client, not one a partition."""
 
-    def __init__(self, redis_url: str) -> None:
-        self.redis_url = redis_url
+    def __init__(self, settings: RedisSettings | str) -> None:
+        self.redis_settings = settings
         self._redis: redis.Redis | None = None
         self._threads: dict[str, threading.Thread] = {}
         self._stopping = threading.Event()
@@ -57,7 +57,7 @@ class ReaderThreads:
             if tag in self._threads or self._stopping.is_set():
                 return
             if self._redis is None:
-                self._redis = connect(self.redis_url)
+                self._redis = connect(self.redis_settings)
             run = BlockingRunner(self._redis).run
             thread = threading.Thread(target=self._loop, args=(waits, run), daemon=True,
                                       name=f"redbatch-replies-{tag}")
@@ -93,8 +93,8 @@ class ReaderTasks:
     loop, sharing one client of their own on that loop. A loop that ended leaves tasks
     and a client behind: tasks started on another loop get a new client."""
 
-    def __init__(self, redis_url: str) -> None:
-        self.redis_url = redis_url
+    def __init__(self, settings: RedisSettings | str) -> None:
+        self.redis_settings = settings
         self._redis: aioredis.Redis | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -103,7 +103,7 @@ class ReaderTasks:
         """Start the reader task of ``waits`` unless one runs on this loop."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
-            self._redis, self._loop, self._tasks = connect_async(self.redis_url), loop, {}
+            self._redis, self._loop, self._tasks = connect_async(self.redis_settings), loop, {}
         task = self._tasks.get(tag)
         if task is None or task.done():
             assert self._redis is not None
@@ -114,7 +114,7 @@ class ReaderTasks:
     async def _run(waits: ReplyWaits, runner: AsyncRunner) -> None:
         task = asyncio.current_task()
         while True:
-            if task is not None and sys.version_info >= (3, 11) and task.cancelling():
+            if task is not None and task.cancelling():
                 # A cancellation redis-py lost (seen: a BLPOP cancelled mid-read went on
                 # to its reply, the task still "cancelling"): honoured between passes, so
                 # even asyncio.run's single cancel at its end stops the reader.

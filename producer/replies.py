@@ -334,9 +334,12 @@ class Gathering:
     may be in, newest partition count first."""
 
     def __init__(self, waits: Sequence[ReplyWaits], keys_of: Callable[[str], list[Keys]],
-                 ids: Sequence[str], timeout_s: float, inbox: Inbox) -> None:
+                 ids: Sequence[str], timeout_s: float, inbox: Inbox,
+                 deadline: float | None = None) -> None:
         self.timeout_s = timeout_s
-        self.deadline = time.monotonic() + timeout_s
+        #: When the wait ends (monotonic s): ``timeout_s`` from now, or from when the
+        #: caller began (``deadline``, given).
+        self.deadline = time.monotonic() + timeout_s if deadline is None else deadline
         self._inbox = inbox
         #: The client's: whether its user may BLMOVE (set by the face, see wait.py).
         self.moves = DoneMoves()

@@ -2,8 +2,10 @@
 :class:`~redbatch.producer.client.Client`, awaited for
 :class:`~redbatch.producer.client.AsyncClient`. A runner owns no logic: it sends each
 step's calls through its Redis client, and throws the Redis errors they raise back into
-the steps, which decide what they mean. The inboxes here are where a face's waits receive
-what the reply reader hands them (the replies of ``Receive`` steps).
+the steps, which decide what they mean; one the steps do not handle leaves as the
+client's own error (``errors.client_error``), never as redis-py's. The inboxes here are
+where a face's waits receive what the reply reader hands them (the replies of ``Receive``
+steps).
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from typing import Any, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
+from redbatch.common.config import RedisSettings
 from redbatch.common.protocol.functions import is_missing, load_library, load_library_async
 from redbatch.common.redis_io import node_client, refresh_slots
 from redbatch.producer.calls import Command, Outcome, Pause, Pipelined, Receive, Script, Step, Steps
-from redbatch.producer.errors import FunctionsMissing
+from redbatch.producer.errors import REDIS_PY_ERRORS, FunctionsMissing, client_error
 
 T = TypeVar("T")
 
@@ -61,13 +64,25 @@ class AsyncInbox:
 
 
 
-def _advance(steps: Steps[Any], reply: Any, error: redis.RedisError | None) -> tuple[bool, Any]:
+def connected(make: Callable[[RedisSettings], T], settings: RedisSettings) -> T:
+    """``make(settings)``, a Redis client (a cluster client reads its slot map at once),
+    with a Redis error raised as the client's own."""
+    try:
+        return make(settings)
+    except REDIS_PY_ERRORS as e:
+        raise client_error(e) from e
+
+
+def _advance(steps: Steps[Any], reply: Any, error: Exception | None) -> tuple[bool, Any]:
     """Hand ``steps`` the last step's reply, or throw its error into them: ``(True, value)``
-    when they ended, else ``(False, next step)``. The drive of both runners."""
+    when they ended, else ``(False, next step)``. The drive of both runners. A Redis error
+    the steps let out (or raise: a reply reader hands its waits them) is translated."""
     try:
         return False, steps.send(reply) if error is None else steps.throw(error)
     except StopIteration as done:
         return True, done.value
+    except REDIS_PY_ERRORS as e:
+        raise client_error(e) from e
 
 
 class BlockingRunner:
@@ -80,14 +95,14 @@ class BlockingRunner:
         """Drive ``steps`` to their end, running each step blocking; returns their value.
         A Redis error a step raises is thrown into ``steps``, which may handle it."""
         reply: Any = None
-        error: redis.RedisError | None = None
+        error: Exception | None = None
         while True:
             finished, item = _advance(steps, reply, error)
             if finished:
                 return cast(T, item)
             try:
                 reply, error = self._step(item), None
-            except redis.RedisError as e:
+            except REDIS_PY_ERRORS as e:
                 reply, error = None, e
 
     def _step(self, step: Step) -> Any:
@@ -176,14 +191,14 @@ class AsyncRunner:
     async def run(self, steps: Steps[T]) -> T:
         """As :meth:`BlockingRunner.run`, awaiting each step."""
         reply: Any = None
-        error: redis.RedisError | None = None
+        error: Exception | None = None
         while True:
             finished, item = _advance(steps, reply, error)
             if finished:
                 return cast(T, item)
             try:
                 reply, error = await self._step(item), None
-            except redis.RedisError as e:
+            except REDIS_PY_ERRORS as e:
                 reply, error = None, e
 
     async def _step(self, step: Step) -> Any:

@@ -35,6 +35,11 @@ NOTE [ Redis going away ]
   ids from the reply list, so the reply list alone can lose a finished job:
   every SWEEP_EVERY_S the scorer also looks up the result keys of jobs in
   flight for longer than that, and collects the ones that are there.
+  An outage is waited out for ``redis_wait_s`` at most, counted from the first
+  failed call since the last one that got through (a Redis unreachable from
+  the start counts from the start): then every input left (in flight, waiting,
+  not yet read) is written as a ``redis_unavailable`` error, so the run ends
+  with a record for each input and says so in its exit code.
 """
 
 from __future__ import annotations
@@ -47,14 +52,13 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import redis
 from redbatch.common.protocol import JobEnvelope, Lane, ResultEnvelope
-from redbatch.common.redis_io import REDIS_ERRORS
+from redbatch.common.redis_io import REDIS_ERRORS, RedisUnavailable
 from redbatch.producer.client import Client, DuplicateRequestId, QueueFull
-from redbatch.producer.errors import RESULT_TIMEOUT
-from redbatch.scoring.inputs import Item
+from redbatch.producer.errors import REDIS_UNAVAILABLE, RESULT_TIMEOUT
+from redbatch.scoring.inputs import Item, Unsendable, read_payload
 from redbatch.scoring.output import DoneIndex, OutputWriter, record, result_record
-from redbatch.scoring.pacing import Waiting, WaitingLine
+from redbatch.scoring.pacing import Outage, Waiting, WaitingLine
 from redbatch.scoring.progress import Progress, RunStats
 from redbatch.scoring.run_parts import Part, RunParts
 
@@ -66,6 +70,9 @@ COLLECT_CHUNK = 256
 WAIT_SLICE_S = 0.5
 #: How often, and past what age, jobs in flight are looked up by their result key, s.
 SWEEP_EVERY_S = 5.0
+#: What a Redis out of reach raises: redis-py's errors (the scorer's own calls) and the
+#: client's (``RedisUnavailable`` subclasses).
+AWAY = (*REDIS_ERRORS, RedisUnavailable)
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +87,12 @@ class ScoreSettings:
     #: After a stop signal, how long jobs in flight are still collected, seconds.
     grace_s: float = 10.0
     max_payload_bytes: int = 20 * 1024 * 1024
+    #: How long Redis may stay out of reach before the inputs left are written as
+    #: ``redis_unavailable`` errors, seconds (see NOTE [ Redis going away ]).
+    redis_wait_s: float = 60.0
+    #: The share of inputs (0-1) that may end in an error record with the run still a
+    #: success (exit code 0), as Ray Data's ``max_errored_blocks`` but as a share.
+    max_error_rate: float = 0.1
 
 
 @dataclass(slots=True)
@@ -113,6 +126,7 @@ class BulkScorer:
         self._unsent: tuple[list[JobEnvelope], dict[str, Waiting]] | None = None
         self._next_sweep = time.monotonic() + SWEEP_EVERY_S
         self._exhausted = False
+        self._outage = Outage(settings.redis_wait_s, time.monotonic())
 
     def stop(self) -> None:
         """First call: stop submitting and drain; second call: stop draining too."""
@@ -123,7 +137,8 @@ class BulkScorer:
     # ------------------------------------------------------------------ main loop
 
     def run(self, items: Iterator[Item]) -> bool:
-        """Score every item; True when all were written, False when stopped early."""
+        """Score every item; True when all were written (as results, or as errors once
+        Redis stayed away past ``redis_wait_s``), False when stopped early."""
         pending = self._unseen(items)
         drain_until: float | None = None
         while not self.aborting.is_set():
@@ -131,8 +146,7 @@ class BulkScorer:
                 self._fill(pending)
             elif drain_until is None:
                 drain_until = time.monotonic() + self.settings.grace_s
-            if not self._inflight and (self.stopping.is_set() or
-                                       (self._exhausted and not self._line)):
+            if not self._inflight and (self.stopping.is_set() or self._all_sent()):
                 break
             if drain_until is not None and time.monotonic() > drain_until:
                 break
@@ -140,14 +154,38 @@ class BulkScorer:
             self._sweep()
             self._expire()
             self._tick()
+            if self._outage.over(time.monotonic()):
+                self._give_up(pending)
+                break
         self.writer.flush()
         if self.progress:
             self.progress.finish()
         try:
             self._parts.delete()
-        except (redis.ConnectionError, redis.TimeoutError):
+        except AWAY:
             pass  # the lists expire on their own
-        return self._exhausted and not self._inflight and not self._line
+        return self._all_sent() and not self._inflight
+
+    def _all_sent(self) -> bool:
+        """Every item was read and submitted: none waits for room or for Redis."""
+        return self._exhausted and not self._line and self._unsent is None
+
+    # ------------------------------------------------------------------ outages
+
+    def _give_up(self, pending: Iterator[Item]) -> None:
+        """Write every input left as ``redis_unavailable``: in flight, waiting, unread."""
+        message = (f"Redis stayed out of reach for over {self.settings.redis_wait_s:g}s "
+                   f"({self._outage.why})")
+        logger.error("%s: every input left is written as %s", message, REDIS_UNAVAILABLE)
+        left: list[Item] = [f.item for f in self._inflight.values()]
+        self._inflight.clear()
+        if self._unsent is not None:
+            left += [w.item for w in self._unsent[1].values()]
+            self._unsent = None
+        left += [w.item for w in self._line.take(len(self._line))]
+        for item in itertools.chain(left, pending):
+            self._write_error(item, REDIS_UNAVAILABLE, message)
+        self._exhausted = True
 
     def _unseen(self, items: Iterator[Item]) -> Iterator[Item]:
         for item in items:
@@ -192,9 +230,11 @@ class BulkScorer:
         """How many of ``room`` jobs fit the lane's bound now; 0 means back off."""
         try:
             free = self.client.queue_state(self.settings.lane).room
-        except REDIS_ERRORS:
+        except AWAY as e:
+            self._outage.failed(e, time.monotonic())
             self._line.clock.failed(time.monotonic())
             return 0
+        self._outage.answered()
         if free is None:
             self._line.bounded = False  # the bound was removed
             return room
@@ -210,23 +250,10 @@ class BulkScorer:
         return [Waiting(item) for item in fresh]
 
     def _read(self, item: Item) -> bytes | str | None:
-        """The item's payload: its text, or its file's bytes; None (its error record
-        written) when the file cannot be read or either is over the payload limit."""
-        if item.text is not None:
-            if len(item.text.encode()) <= self.settings.max_payload_bytes:
-                return item.text
-            self._write_error(item, "payload_too_large",
-                              f"text is longer than {self.settings.max_payload_bytes} bytes")
-            return None
-        try:
-            with open(item.path, "rb") as f:
-                data = f.read(self.settings.max_payload_bytes + 1)
-        except OSError as e:
-            self._write_error(item, "unreadable_file", f"cannot read file: {e.strerror or e}")
-            return None
-        if len(data) > self.settings.max_payload_bytes:
-            self._write_error(item, "payload_too_large",
-                              f"file is larger than {self.settings.max_payload_bytes} bytes")
+        """The item's payload; None (its error record written) when it cannot be sent."""
+        data = read_payload(item, self.settings.max_payload_bytes)
+        if isinstance(data, Unsendable):
+            self._write_error(item, data.code, data.message)
             return None
         return data
 
@@ -271,12 +298,15 @@ class BulkScorer:
         except DuplicateRequestId as e:
             # Only after a broken connection: these were queued by the lost submission.
             admitted = e.accepted + e.duplicates
-        except REDIS_ERRORS as e:
+        except AWAY as e:
             if self._unsent is None:
-                logger.warning("submitting failed (%s); retrying with back-off", e)
+                logger.warning("submitting failed (%s); retrying with back-off for %gs at "
+                               "most", e, self.settings.redis_wait_s)
+            self._outage.failed(e, time.monotonic())
             self._unsent = (jobs, entries)
             self._line.clock.failed(time.monotonic())
             return 0, 0
+        self._outage.answered()
         now = time.monotonic()
         for rid in admitted:
             part = self._parts.of(self.client.placed_keys(rid))
@@ -295,9 +325,11 @@ class BulkScorer:
             wait = self._line.wait_s(wait, time.monotonic())
         try:
             ids = self._parts.pop(wait, COLLECT_CHUNK)
-        except REDIS_ERRORS:
+        except AWAY as e:
+            self._outage.failed(e, time.monotonic())
             time.sleep(WAIT_SLICE_S)  # results are durable; the sweep finds any lost id
             return
+        self._outage.answered()
         self._write_results([i for i in ids if i in self._inflight])
 
     def _sweep(self) -> None:
@@ -314,7 +346,7 @@ class BulkScorer:
                 self._inflight[rid].part.answers.exists(pipe, rid)
             try:
                 found = pipe.execute()
-            except REDIS_ERRORS:
+            except AWAY:
                 return
             self._write_results([rid for rid, n in zip(chunk, found, strict=True) if n])
 
@@ -327,11 +359,11 @@ class BulkScorer:
         ids = [rid for group in groups.values() for rid in group]
         try:
             raw = self._parts.read(groups)
-        except REDIS_ERRORS:
+        except AWAY:
             return  # still in flight: the next sweep finds their results
         try:  # read once: free Redis now (or they expire), the id's claim with them
             self._parts.free(groups)
-        except REDIS_ERRORS:
+        except AWAY:
             pass
         now = time.monotonic()
         for rid, data in zip(ids, raw, strict=True):

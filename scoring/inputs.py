@@ -35,6 +35,32 @@ class ManifestError(ValueError):
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class Unsendable:
+    """Why an item cannot be sent: its record's error ``code`` and ``message``."""
+
+    code: str
+    message: str
+
+
+def read_payload(item: Item, max_bytes: int) -> bytes | str | Unsendable:
+    """The item's payload: its text, or its file's bytes (``max_bytes`` at most); or why it
+    cannot be sent: the file cannot be read (``unreadable_file``) or either is over the
+    limit (``payload_too_large``)."""
+    if item.text is not None:
+        if len(item.text.encode()) <= max_bytes:
+            return item.text
+        return Unsendable("payload_too_large", f"text is longer than {max_bytes} bytes")
+    try:
+        with open(item.path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        return Unsendable("unreadable_file", f"cannot read file: {e.strerror or e}")
+    if len(data) > max_bytes:
+        return Unsendable("payload_too_large", f"file is larger than {max_bytes} bytes")
+    return data
+
+
 def iter_items(inputs: Iterable[str], texts: bool = False) -> Iterator[Item]:
     """Items of every input, in order: files as given, folders walked (sorted, by image
     suffix), ``.txt`` manifests (a path a line, or with ``texts`` a text a line) and

@@ -1,5 +1,5 @@
 """Pacing the bulk scorer against a bounded queue: the items admission control refused, in
-order, and when to offer them again.
+order, and when to offer them again; and how long it waits out Redis being away.
 
 NOTE [ A bounded queue ]
   When the lane has a bound (admission control) the scorer is just one more
@@ -123,3 +123,29 @@ class WaitingLine:
         while self._items and (self._items[0].since or limit) < limit:
             late.append(self._items.popleft().item)
         return late
+
+
+class Outage:
+    """Since when Redis is out of reach, and why (NOTE [ Redis going away ] in bulk.py); a
+    run starts as if it were, so that a Redis unreachable from the start is bounded too."""
+
+    def __init__(self, limit_s: float, now: float) -> None:
+        self.limit_s = limit_s
+        #: Monotonic time of the first failed call since the last that got through, or
+        #: None while Redis answers.
+        self.since: float | None = now
+        self.why = "no call got through yet"
+
+    def failed(self, e: BaseException, now: float) -> None:
+        """A call failed with Redis out of reach."""
+        if self.since is None:
+            self.since = now
+        self.why = str(e) or type(e).__name__
+
+    def answered(self) -> None:
+        """A call got through: an outage, if any, is over."""
+        self.since = None
+
+    def over(self, now: float) -> bool:
+        """True once Redis has been away for longer than ``limit_s``."""
+        return self.since is not None and now - self.since > self.limit_s

@@ -54,6 +54,11 @@ class RunStats:
     def done(self) -> int:
         return sum(self.outcomes.values())
 
+    @property
+    def failed(self) -> int:
+        """Inputs written as errors (any outcome but ``ok``)."""
+        return self.done - self.outcomes["ok"]
+
     def add(self, outcome: str, latency_ms: float | None, batch_size: int) -> None:
         self.outcomes[outcome] += 1
         if latency_ms is not None:
@@ -70,7 +75,7 @@ class RunStats:
         outcomes = ", ".join(f"{k}: {v}" for k, v in sorted(self.outcomes.items())) or "none"
         lat = self.latency
         lines = [
-            f"scored {self.done} inputs in {elapsed:.1f} s ({self.rate():.1f}/s), "
+            f"scored {inputs(self.done)} in {elapsed:.1f} s ({self.rate():.1f}/s), "
             f"{elapsed + self.startup_s:.1f} s in all with {self.startup_s:.1f} s of "
             f"start-up; skipped {self.skipped} already in the output",
             f"outcomes: {outcomes}",
@@ -80,6 +85,31 @@ class RunStats:
                 f"{k}: {v}" for k, v in sorted(self.batch_sizes.items())) or "none"),
         ]
         return "\n".join(lines)
+
+
+def inputs(n: int) -> str:
+    """``1 input``, ``2 inputs``."""
+    return f"{n} input{'' if n == 1 else 's'}"
+
+
+def verdict(stats: RunStats, complete: bool, interrupted: bool,
+            max_error_rate: float) -> tuple[int, str]:
+    """The exit code of a scoring run and the one line that says why, counting every input:
+    130 when interrupted (the rest is left to --resume), 1 when an input has no record or
+    more than ``max_error_rate`` (a share, 0-1) of the inputs scored failed, else 0."""
+    done, failed = stats.done, stats.failed
+    share = failed / done if done else 0.0
+    codes = ", ".join(f"{k}: {v}" for k, v in sorted(stats.outcomes.items()) if k != "ok")
+    counted = f"{inputs(done)} scored ({stats.outcomes['ok']} ok, {failed} failed" + \
+        (f": {codes})" if codes else ")") + f", {stats.skipped} already in the output"
+    if interrupted:
+        return 130, f"interrupted: {counted}; rerun with --resume to score the rest"
+    if not complete:
+        return 1, f"Error: the run ended early: {counted}; rerun with --resume"
+    allowed = f"--max-error-rate {max_error_rate:.0%}"
+    if share > max_error_rate:
+        return 1, f"Error: {share:.0%} of the inputs failed, over {allowed}: {counted}"
+    return 0, f"done: {counted}; {share:.0%} failed, within {allowed}"
 
 
 def _clock(seconds: float) -> str:

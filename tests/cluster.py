@@ -47,8 +47,11 @@ class LocalCluster:
     """``masters`` masters with ``replicas`` replica each; a context manager that always
     kills every node and removes their directories."""
 
-    def __init__(self, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1500) -> None:
+    def __init__(self, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1500,
+                 extra_args: list[str] | None = None) -> None:
         self.masters, self.replicas, self.node_timeout_ms = masters, replicas, node_timeout_ms
+        #: More redis-server options for every node (``--cluster-require-full-coverage no``).
+        self.extra_args = extra_args or []
         self.nodes: list[RedisServer] = []
 
     @property
@@ -81,7 +84,8 @@ class LocalCluster:
             node = RedisServer(port=port, extra_args=[
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-node-timeout", str(self.node_timeout_ms),
-                "--repl-diskless-sync-delay", "0", "--repl-ping-replica-period", "1"])
+                "--repl-diskless-sync-delay", "0", "--repl-ping-replica-period", "1",
+                *self.extra_args])
             self.nodes.append(node)
             node.start()
 

@@ -113,6 +113,17 @@ def test_calibrate_writes_a_profile_and_prints_the_table(tmp_path: Path) -> None
     assert profile.choice.max_batch_size == choice["max_batch_size"]
 
 
+def test_calibrate_takes_how_many_samples_check_the_answers() -> None:
+    # bench/gpu_check.sh keeps its calibration short: a few samples, not 256.
+    from redbatch.cli.calibrate import _settings, calibrate
+    from redbatch.gpu_worker.tuning.calibrate import FIDELITY_SAMPLES
+
+    for args, want in (([], FIDELITY_SAMPLES), (["--fidelity-samples", "8"], 8),
+                       (["--fidelity-samples", "0"], 0)):
+        ctx = calibrate.make_context("calibrate", args)
+        assert _settings(ctx.params, 1).fidelity_samples == want
+
+
 def test_unknown_variant_is_refused_with_a_message(tmp_path: Path) -> None:
     proc = calibrate("--variant", "turbo", "--out", str(tmp_path / "p.json"))
     assert proc.returncode == 1 and "unknown variant 'turbo'" in proc.stderr

@@ -80,7 +80,8 @@ def test_a_worker_stopped_while_it_waits_for_redis_says_so_in_one_line(
         _, rest = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    said(proc, rest, 1, "Error: cannot reach Redis: stopped while waiting for Redis")
+    # Ctrl-C: 130, as in every other command (the worker said 1 before).
+    said(proc, rest, 130, "Error: interrupted while waiting for Redis")
     if log_format == "json":
         logged = [json.loads(line) for line in [*seen, *rest.splitlines()[:-1]] if line.strip()]
         assert logged and all(set(x) >= {"ts", "level", "process", "logger", "message"}
@@ -90,7 +91,8 @@ def test_a_worker_stopped_while_it_waits_for_redis_says_so_in_one_line(
 
 @pytest.mark.parametrize("case", ["no scheme", "missing output folder", "empty folder",
                                   "empty folder (submit)", "unreadable file",
-                                  "not a request id"])
+                                  "not a request id", "unknown model (private stack)",
+                                  "unknown model (submit)"])
 def test_inputs_that_cannot_work_are_refused_before_anything_starts(
         case: str, tmp_path: Path) -> None:
     empty = tmp_path / "empty"
@@ -105,6 +107,13 @@ def test_inputs_that_cannot_work_are_refused_before_anything_starts(
         "unreadable file": (["submit", str(tmp_path / "nope.jpg")],
                             "Error: cannot read any of the files"),
         "not a request id": (["job", "has spaces"], "Error: 'has spaces' is not a request id"),
+        # Without --redis: refused before a private stack starts (its worker said it, 20 s
+        # later, and a traceback followed).
+        "unknown model (private stack)": (["score", CAT, "-o", str(tmp_path / "x.jsonl"),
+                                           "--model", "no_such_model"],
+                                          "Error: unknown model 'no_such_model'"),
+        "unknown model (submit)": (["submit", "--model", "no_such_model", CAT],
+                                   "Error: unknown model 'no_such_model'"),
     }[case]
     proc, took = redbatch(*args)
     said(proc, proc.stderr, 2, starts)

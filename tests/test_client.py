@@ -412,7 +412,7 @@ def test_the_package_exports_the_clients_and_one_error_hierarchy() -> None:
 
     assert redbatch.Client is module.Client and redbatch.AsyncClient is module.AsyncClient
     for name in ("DuplicateRequestId", "JobFailed", "ProtocolError", "QueueFull",
-                 "ResultTimeout", "ResultUnreadable"):
+                 "RedisRefusedCall", "RedisUnreachable", "ResultTimeout", "ResultUnreadable"):
         assert issubclass(getattr(redbatch, name), redbatch.RedbatchError), name
     assert issubclass(redbatch.ResultTimeout, TimeoutError), "existing handlers keep working"
     assert redbatch.QueueFull.code is ErrorCode.QUEUE_FULL

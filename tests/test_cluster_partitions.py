@@ -6,9 +6,12 @@ work across slots."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,7 @@ from redbatch.cli.local_stack import count_consumers
 from redbatch.common import protocol as p
 from redbatch.common.protocol import AnswerKeys, DeadLetters, JobEnvelope, Keys, Lane, ReplyList
 from redbatch.common.protocol.functions import ADMIT_FUNCTION, LIBRARY, load_library
-from redbatch.common.redis_io import refresh_slots
+from redbatch.common.redis_io import connect, refresh_slots
 from redbatch.gpu_worker.streams.transaction import Commands
 from redbatch.producer import core
 from redbatch.producer.client import Client, DuplicateRequestId, QueueFull
@@ -285,3 +288,125 @@ def test_a_failover_of_one_partitions_master_loses_no_accepted_job(
     master.start()  # back as a replica of the new master, for any test after this one
     cluster.wait_ok(60)
     refresh_slots(rc)  # the fixture flushes the masters of today's map
+
+
+def test_every_partition_waits_for_its_replica_on_its_own_master(
+        cluster: LocalCluster, rc: redis.Redis) -> None:
+    """Issue 28 item 5 on a cluster: three partitions, one per master, one flush over all
+    three; each master ran one WAIT, on the connection that wrote (before the fix,
+    partition 0's master alone did)."""
+    from redbatch.gpu_worker.metrics import WorkerMetrics
+    from redbatch.gpu_worker.streams.results import Answer, ResultWriter
+    from redbatch.gpu_worker.streams.transaction import ReplicaWait
+
+    parts = [Keys(MODEL, partition=q) for q in range(3)]
+    masters = [cluster.master_of(keys.stream(Lane.INTERACTIVE)) for keys in parts]
+    assert len({m.port for m in masters}) == 3
+    answers = []
+    for keys in parts:
+        stream = keys.stream(Lane.INTERACTIVE)
+        rc.xgroup_create(stream, p.GROUP, id="0", mkstream=True)
+        for i in range(2):
+            rc.xadd(stream, {"rid": f"w{keys.partition}-{i}", "job": b"x"})
+        entries = rc.xreadgroup(p.GROUP, "w", {stream: ">"}, count=2)[0][1]
+        answers += [Answer(stream, entry_id, f"w{keys.partition}-{i}", b"result")
+                    for i, (entry_id, _) in enumerate(entries)]
+
+    def waits(node: object) -> int:
+        r = redis.Redis(port=node.port, socket_timeout=2)  # type: ignore[attr-defined]
+        try:
+            return int(r.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
+        finally:
+            r.close()
+
+    before = [waits(m) for m in masters]
+    metrics = WorkerMetrics(MODEL, 8)
+    writer = ResultWriter(connect(cluster.url), parts[0], "w", 60, ReplicaWait(1, 5000),
+                          metrics.result_waited)
+    assert writer.write_and_ack(answers).held == []
+    assert [waits(m) - b for m, b in zip(masters, before, strict=True)] == [1, 1, 1]
+    assert metrics.result_waits["acked"]._value.get() == 3
+    assert all(rc.xpending(keys.stream(Lane.INTERACTIVE), p.GROUP)["pending"] == 0
+               for keys in parts)
+
+
+@pytest.fixture(scope="module")
+def bare_cluster() -> Iterator[LocalCluster]:
+    """3 masters, no replicas, serving the slots they still have when one is lost
+    (``cluster-require-full-coverage no``): a lost master stays lost."""
+    with LocalCluster(replicas=0, extra_args=["--cluster-require-full-coverage", "no"]) as c:
+        yield c
+
+
+def _ids_in(parts: set[int], count: int, n: int, tag: str) -> list[str]:
+    """``n`` request ids whose partition among ``count`` is in ``parts``."""
+    ids = (f"{tag}-{i}" for i in itertools.count())
+    return list(itertools.islice((rid for rid in ids if p.partition_of(rid, count) in parts), n))
+
+
+def test_a_lost_master_stops_only_its_own_partitions(
+        bare_cluster: LocalCluster, tmp_path: Path) -> None:
+    """Item 6 on a cluster: four partitions on three masters, no replicas; the master of
+    partitions 2 and 3 SIGKILLed for good while jobs are in flight. Every job of the live
+    partitions (0 and 1), in flight then or submitted after, is answered, and the worker
+    never exits. Before: 0 answered until the master came back (reads were one pipeline
+    over every master, and failed whole)."""
+    rc = connect(bare_cluster.url)
+    rc.eval(p.RAISE_PARTITIONS_SCRIPT, 1, Keys(MODEL).partitions(), 4)
+    victim = bare_cluster.master_of(Keys(MODEL, partition=2).stream(Lane.BULK))
+    assert victim is bare_cluster.master_of(Keys(MODEL, partition=3).stream(Lane.BULK))
+    assert victim is not bare_cluster.master_of(Keys(MODEL).stream(Lane.BULK))
+    with spawned_workers(tmp_path) as start:
+        worker, log = start(bare_cluster.url, "--max-inflight", "8", model=MODEL)
+        with Client(bare_cluster.url, model=MODEL) as client:
+            assert all(r.ok for r in client.results(client.submit_many([FOUR] * 12,
+                                                                       timeout_s=120)))
+            live = _ids_in({0, 1}, 4, 30, "live")
+            flying = [client.submit(FOUR, request_id=rid, timeout_s=120) for rid in live[:10]]
+            victim.kill()
+            after = [client.submit(FOUR, request_id=rid, timeout_s=120) for rid in live[10:]]
+            results = client.results([*flying, *after], timeout_s=90)
+        assert [r.request_id for r in results] == live
+        assert all(r.ok for r in results), [r for r in results if not r.ok][:3]
+        assert worker.poll() is None, "the worker never exits"
+    text = log.read_text(errors="replace")
+    assert "skipped, retried with back-off" in text
+    assert "Traceback" not in text, text[-3000:]
+    rc.close()
+
+
+def test_a_model_without_a_count_spreads_over_the_masters_once(
+        cluster: LocalCluster, rc: redis.Redis, r: redis.Redis,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Item 11: the first worker to meet a model with no partition count on a cluster of
+    three masters sets it to 3 (history ``1 3``: ids sent before went to partition 0),
+    once: a second worker finds it set. ``partitions --set 1`` first keeps a model on one
+    master; on one Redis nothing is set."""
+    from click.testing import CliRunner
+    from redbatch.cli import main
+    from redbatch.gpu_worker.streams.intake import Intake
+
+    caplog.set_level(logging.INFO)
+    first = Intake(rc, Keys(MODEL), "c1", 1 << 20)
+    first.ensure_groups()
+    assert first.partitions.count == 3
+    assert rc.lrange(Keys(MODEL).partitions(), 0, -1) == [b"1", b"3"]
+    assert all(rc.xinfo_groups(Keys(MODEL, partition=q).stream(lane))
+               for q in range(3) for lane in Lane)
+    second = Intake(rc, Keys(MODEL), "c2", 1 << 20)
+    second.ensure_groups()
+    assert second.partitions.count == 3
+    assert rc.lrange(Keys(MODEL).partitions(), 0, -1) == [b"1", b"3"]
+    said = [rec.getMessage() for rec in caplog.records if "had no partition count" in
+            rec.getMessage()]
+    assert len(said) == 1 and "3 now" in said[0], said
+    out = CliRunner().invoke(main, ["partitions", "--model-name", "null", "--set", "1",
+                                    "--redis", cluster.url])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output)["history"] == [1]
+    kept = Intake(rc, Keys("null"), "c3", 1 << 20)
+    kept.ensure_groups()
+    assert kept.partitions.count == 1 and rc.lrange(Keys("null").partitions(), 0, -1) == [b"1"]
+    alone = Intake(r, Keys(MODEL), "c4", 1 << 20)
+    alone.ensure_groups()
+    assert alone.partitions.count == 1 and not r.exists(Keys(MODEL).partitions())

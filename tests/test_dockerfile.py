@@ -12,8 +12,8 @@ import fnmatch
 import json
 import re
 import shlex
-
 import tomllib
+
 from deploy_files import ROOT, load_compose, service_env
 
 EXTRAS = re.compile(r"""["']?\.\[([a-z0-9_,-]+)\]["']?""")
@@ -79,6 +79,20 @@ def test_base_image_is_pinned_python_and_the_torch_pin_is_in_the_packages_range(
     assert version >= tuple(int(p) for p in minimum.group(1).split("."))
 
 
+def test_the_python_claimed_is_the_one_the_image_runs_and_the_code_needs() -> None:
+    """requires-python and the classifiers start at the image's Python, 3.11: the code
+    needs it (typing.Self, enum.StrEnum), so claiming 3.10 promised an install that fails
+    at import."""
+    (base,) = [args for op, args in dockerfile() if op == "FROM"]
+    image = tuple(int(p) for p in base.split(":")[1].split("-")[0].split(".")[:2])
+    project = pyproject()["project"]
+    assert project["requires-python"] == f">={image[0]}.{image[1]}"
+    claimed = sorted(tuple(int(p) for p in c.rsplit(" ", 1)[1].split("."))
+                     for c in project["classifiers"]
+                     if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c))
+    assert claimed and claimed[0] == image, claimed
+
+
 def copied_paths() -> set[str]:
     """Checkout paths the Dockerfile COPYs (sources of each COPY, normalised)."""
     paths = set()
@@ -94,6 +108,8 @@ def test_image_copies_everything_the_package_build_reads() -> None:
     setuptools = meta["tool"]["setuptools"]
     root = setuptools["package-dir"]["redbatch"]
     needed = {"pyproject.toml", meta["project"]["readme"], "__init__.py"}
+    # The license files the metadata names: setuptools refuses a build missing one.
+    needed |= set(meta["project"]["license-files"])
     # A sub-package (gpu_worker.tuning) comes with its top-level folder.
     needed |= {p.split(".")[1] for p in setuptools["packages"] if "." in p}
     # Package data by its top folder (samples/*.jpg comes with `COPY samples`).

@@ -220,3 +220,21 @@ def test_a_tensor_model_is_preprocessed_inline_with_no_pool_process(
     # Pool processes are multiprocessing's spawned children; the resource tracker stays.
     assert not [c for c in psutil.Process(proc.pid).children(recursive=True)
                 if "spawn_main" in " ".join(c.cmdline())], "no pool process"
+
+
+def test_burst_mode_answers_the_backlog_and_exits(redis_url: str, start_worker: WorkerFactory,
+                                                  r: redis.Redis) -> None:
+    """`--burst`: a worker started on a backlog answers all of it, then exits 0 by itself
+    (the intake thread's next read already holding places must not keep it waiting)."""
+    keys = Keys("null")
+    with Client(redis_url, model="null") as client:
+        ids = client.submit_many([PHOTOS["cat.jpg"]] * 30, timeout_s=120)
+        worker = start_worker("--burst", model="null", wait=False)
+        try:
+            assert worker.wait(timeout=90) == 0
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+        results = client.results(ids, timeout_s=10)
+    assert all(result.ok for result in results)
+    assert pending(r, keys) == 0 and backlog(r, keys) == 0

@@ -159,6 +159,10 @@ def test_entry_without_request_id_goes_to_the_dlq_and_dlq_commands_work(
                             capture_output=True, text=True, timeout=60, check=True)
     assert "deleted 1" in purged.stdout and r.xlen(keys.dlq()) == 0
     assert all(int(r.xpending(s, GROUP)["pending"]) == 0 for s in keys.streams())
+    empty = subprocess.run([*cli, "list", "--redis", redis_url], capture_output=True,
+                           text=True, timeout=60, check=True)
+    assert empty.stdout == "", "stdout holds JSON lines only"
+    assert empty.stderr == f"no dead letters of model {keys.model!r}\n", empty.stderr
 
 
 def test_dlq_retry_requeues_and_the_client_gets_the_new_result(

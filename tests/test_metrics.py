@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import socket
 import time
 import urllib.error
@@ -199,6 +200,14 @@ def test_server_on_port_zero_serves_the_registry_with_gpu_gauges_on_cuda() -> No
         assert value(samples, "redbatch_batch_fill_ratio_sum", model="m") == 3 / 8
         assert value(samples, "redbatch_gpu_memory_reserved_bytes", device="cuda:0") == 20
         assert get(f"{base}/readyz") == (503, "model loading\n")
+        # HEAD answers as GET does, headers only (a probe's `curl -I`).
+        for path, status in (("/healthz", 200), ("/readyz", 503), ("/nowhere", 404)):
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+            conn.request("HEAD", path)
+            reply = conn.getresponse()
+            assert (reply.status, reply.read()) == (status, b""), path
+            assert int(reply.headers["Content-Length"]) > 0, path
+            conn.close()
     finally:
         server.close()
 

@@ -56,13 +56,15 @@ def master(pair: tuple[RedisServer, RedisServer]) -> Iterator[redis.Redis]:
     r.close()
 
 
-def _pending(r: redis.Redis, n: int) -> list[Answer]:
-    """``n`` real jobs read into the group (pending), and an answer to each."""
-    r.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
+def _pending(r: redis.Redis, n: int, keys: Keys = KEYS) -> list[Answer]:
+    """``n`` real jobs read into the group of ``keys``'s partition (pending), and an
+    answer to each."""
+    stream = keys.stream(Lane.INTERACTIVE)
+    r.xgroup_create(stream, GROUP, id="0", mkstream=True)
     for i in range(n):
-        r.xadd(STREAM, {"rid": f"r{i}", "job": b"x"})
-    entries = r.xreadgroup(GROUP, "w", {STREAM: ">"}, count=n)[0][1]
-    return [Answer(STREAM, entry_id, f"r{i}", b"result")
+        r.xadd(stream, {"rid": f"r{keys.partition}-{i}", "job": b"x"})
+    entries = r.xreadgroup(GROUP, "w", {stream: ">"}, count=n)[0][1]
+    return [Answer(stream, entry_id, f"r{keys.partition}-{i}", b"result")
             for i, (entry_id, _) in enumerate(entries)]
 
 
@@ -89,9 +91,28 @@ def test_a_running_replica_confirms_every_write(
     assert _waits(metrics) == {"acked": 2, "short": 0}
     # Confirmed means on the replica already: no waiting for it here.
     replica = redis.Redis(port=pair[1].port, socket_timeout=2)
-    assert all(replica.get(KEYS.result(f"r{i}")) == b"result" for i in range(5))
+    assert all(replica.get(KEYS.result(f"r0-{i}")) == b"result" for i in range(5))
     assert replica.xlen(KEYS.dlq()) == 1 and replica.xpending(STREAM, GROUP)["pending"] == 0
     replica.close()
+
+
+def _waits_run(r: redis.Redis) -> int:
+    """How many WAITs the server has run (INFO commandstats)."""
+    return int(r.info("commandstats").get("cmdstat_wait", {}).get("calls", 0))
+
+
+def test_every_partitions_writer_waits_for_the_replica(
+        pair: tuple[RedisServer, RedisServer], master: redis.Redis) -> None:
+    """Issue 28 item 5: a flush spanning four partitions is four transactions, each
+    followed by its WAIT (partitions 1-3 used to skip it), each counted."""
+    writer, metrics = _writer(pair[0], timeout_ms=5000)
+    answers = [a for q in range(4) for a in _pending(master, 3, KEYS.part(q))]
+    before = _waits_run(master)
+    assert writer.write_and_ack(answers).held == []
+    assert _waits_run(master) - before == 4, "one WAIT per partition's transaction"
+    assert _waits(metrics) == {"acked": 4, "short": 0}
+    assert all(master.xpending(KEYS.part(q).stream(Lane.INTERACTIVE), GROUP)["pending"] == 0
+               for q in range(4))
 
 
 def test_a_stopped_replica_costs_the_timeout_and_is_counted(
@@ -114,7 +135,7 @@ def test_a_stopped_replica_costs_the_timeout_and_is_counted(
         os.kill(pair[1].pid, signal.SIGCONT)
     assert _waits(metrics) == {"acked": 0, "short": 3}
     # Written and acknowledged on the master all the same: the jobs are answered.
-    assert all(master.get(KEYS.result(f"r{i}")) == b"result" for i in range(6))
+    assert all(master.get(KEYS.result(f"r0-{i}")) == b"result" for i in range(6))
     assert master.xpending(STREAM, GROUP)["pending"] == 0
     warnings = [r.getMessage() for r in caplog.records if "replicas" in r.getMessage()]
     assert len(warnings) == 1, "one line a minute, not one per write"

@@ -36,10 +36,13 @@ from conftest import (
     settings_free_env,
 )
 from PIL import Image
+from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
+from redbatch.cli.redis_server import RedisServer, free_port
 from redbatch.common.protocol import GROUP, ErrorCode, Keys, Lane
 
 #: Error codes the scorer itself writes (the worker's come from ErrorCode).
-SCORER_CODES = {"unreadable_file", "payload_too_large", "result_expired", "timeout"}
+SCORER_CODES = {"unreadable_file", "payload_too_large", "result_expired", "timeout",
+                "redis_unavailable"}
 MB = 1024 * 1024
 
 
@@ -282,7 +285,11 @@ def test_every_input_gets_exactly_one_record_and_bad_ones_a_stable_code(
     inputs, expected = _mixed_inputs(tmp_path / "in")
     out = tmp_path / "out.jsonl"
     proc = _run_score(*inputs, "-o", out, "--redis", redis_url, "--model", "null")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # 5 of 11 failed: over the default --max-error-rate (10%), so the run exits 1.
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "Error: 45% of the inputs failed, over --max-error-rate 10%: 11 inputs scored (6 ok, "
+        "5 failed: bad_image: 4, unreadable_file: 1)"), proc.stderr[-3000:]
     records = _read_jsonl(out)
     ids = Counter(rec["id"] for rec in records)
     assert ids == Counter(expected.keys()), "one record per input, none for README.md"
@@ -317,8 +324,9 @@ def test_every_input_gets_exactly_one_record_and_bad_ones_a_stable_code(
     # The same inputs as CSV (chosen by --format, whatever the suffix): a header, a row each.
     out_csv = tmp_path / "out.data"
     proc = _run_score(*inputs, "-o", out_csv, "--format", "csv", "--redis", redis_url,
-                      "--model", "null")
+                      "--model", "null", "--max-error-rate", "0.5")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "within --max-error-rate 50%" in proc.stderr.strip().splitlines()[-1]
     with open(out_csv, newline="", encoding="utf-8") as f:
         rows = list(csv.reader(f))
     header, body = rows[0], rows[1:]
@@ -348,17 +356,22 @@ def test_an_existing_output_is_neither_replaced_nor_extended_by_default(tmp_path
     assert out.read_text() == '{"id": "earlier"}\n', "the existing output is untouched"
 
 
+@pytest.mark.parametrize("line", [1, 2])
 @pytest.mark.parametrize("bad_line", ['{"id": "two", "path": ', '{"id": "two"}', '["x", "y"]'],
                          ids=["cut-short", "no-path", "not-an-object"])
 def test_a_malformed_jsonl_manifest_is_refused_naming_file_and_line(
-        redis_url: str, tmp_path: Path, bad_line: str) -> None:
+        redis_url: str, tmp_path: Path, bad_line: str, line: int) -> None:
+    """One line, whichever line is bad (the first one printed a traceback)."""
     manifest = tmp_path / "list.jsonl"
-    manifest.write_text(json.dumps({"id": "one", "path": "a.jpg"}) + "\n" + bad_line + "\n" +
-                        json.dumps({"id": "three", "path": "b.jpg"}) + "\n")
+    good = [json.dumps({"id": "one", "path": "a.jpg"}), json.dumps({"id": "3", "path": "b"})]
+    good.insert(line - 1, bad_line)
+    manifest.write_text("\n".join(good) + "\n")
     proc = _run_score(manifest, "-o", tmp_path / "out.jsonl", "--redis", redis_url,
                       "--model", "null", timeout_s=60)
     assert proc.returncode == 1, proc.stderr
-    assert f"Error: {manifest}:2:" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"Error: {manifest}:{line}:"), \
+        proc.stderr
 
 
 # ---------------------------------------------------------------------------- lanes
@@ -607,3 +620,96 @@ def test_without_redis_the_private_worker_loads_this_machines_profile(tmp_path: 
                          "--redis", "redis://127.0.0.1:1/0")
     assert refused.returncode == 1 and "--tune calibrates the private worker" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+# ---------------------------------------------------------------------------- outages
+
+
+def test_an_unreachable_redis_gives_every_input_an_error_record_and_exit_1(
+        tmp_path: Path) -> None:
+    # The bound comes through its variable, so that before it existed the run said 0.
+    out = tmp_path / "out.jsonl"
+    photos = [SAMPLES / "cat.jpg", SAMPLES / "coffee.jpg", SAMPLES / "rocket.jpg"]
+    proc = _run_score(*photos, "-o", out, "--redis", f"redis://127.0.0.1:{free_port()}/0",
+                      "--model", "null", env=_env(REDBATCH_REDIS_WAIT_S="1.5"), timeout_s=60)
+    assert proc.returncode == 1, proc.stderr
+    records = _read_jsonl(out)
+    assert sorted(rec["id"] for rec in records) == sorted(map(str, photos))
+    assert {rec["error"]["code"] for rec in records} == {"redis_unavailable"}
+    assert "Traceback" not in proc.stderr
+    assert "retrying with back-off" in proc.stderr, "it retried before giving up"
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == ("Error: 100% of the inputs failed, over --max-error-rate 10%: 3 inputs "
+                    "scored (0 ok, 3 failed: redis_unavailable: 3), 0 already in the output")
+
+
+def test_a_redis_away_for_three_seconds_at_the_start_scores_every_input(
+        tmp_path: Path) -> None:
+    photos = tmp_path / "photos"
+    ids = _write_images(photos, 60)
+    out = tmp_path / "out.jsonl"
+    with RedisServer() as server, open(tmp_path / "worker.log", "wb") as log:
+        worker = spawn_worker(server.url, ["--model", "null", "--max-wait-ms", "5",
+                                           "--metrics-port", "0", "--calibrate", "off"],
+                              env=marked_env("outage"), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_worker_ready(server.url, Keys("null"), worker)
+            server.kill()
+            proc = subprocess.Popen(_score_cmd(photos, "-o", out, "--redis", server.url,
+                                               "--model", "null"), env=_env(),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+            time.sleep(3)
+            server.start()
+            _, stderr = proc.communicate(timeout=120)
+        finally:
+            stop_worker(worker, timeout_s=20)
+    assert proc.returncode == 0, stderr[-3000:]
+    records = _read_jsonl(out)
+    assert len(records) == 60 and {rec["id"] for rec in records} == ids
+    assert {rec["status"] for rec in records} == {"ok"}, Counter(
+        rec.get("error", {}).get("code") for rec in records)
+    assert stderr.strip().splitlines()[-1].startswith("done: 60 inputs scored (60 ok, 0 failed")
+
+
+def test_a_run_whose_every_input_timed_out_exits_1(redis_url: str, r: redis.Redis,
+                                                   tmp_path: Path) -> None:
+    # No worker serves the model: every job waits out its deadline.
+    out = tmp_path / "out.jsonl"
+    proc = _run_score(SAMPLES / "cat.jpg", "-o", out, "--redis", redis_url, "--model", "null",
+                      "--timeout-s", "1", timeout_s=60)
+    assert proc.returncode == 1, proc.stderr
+    (rec,) = _read_jsonl(out)
+    assert rec["error"]["code"] == "timeout", rec
+    assert "scored 1 input in" in proc.stderr, "one input, not '1 inputs'"
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "Error: 100% of the inputs failed, over --max-error-rate 10%: 1 input scored")
+
+
+def test_the_verdict_counts_every_input_against_the_error_rate() -> None:
+    from redbatch.scoring.progress import RunStats, verdict
+
+    stats = RunStats()
+    for outcome in ["ok"] * 9 + ["bad_image"]:
+        stats.add(outcome, 1.0, 1)
+    stats.skipped = 2
+    assert verdict(stats, True, False, 0.1) == (
+        0, "done: 10 inputs scored (9 ok, 1 failed: bad_image: 1), 2 already in the output; "
+           "10% failed, within --max-error-rate 10%")
+    assert verdict(stats, True, False, 0.05)[0] == 1
+    assert verdict(stats, False, True, 0.1)[0] == 130
+    assert verdict(stats, False, False, 1.0)[0] == 1, "an input without a record"
+    assert verdict(RunStats(), True, False, 0.0)[0] == 0, "nothing to do fails nothing"
+
+
+def test_an_outage_is_counted_from_the_first_failure_since_the_last_answer() -> None:
+    from redbatch.scoring.pacing import Outage
+
+    outage = Outage(limit_s=5.0, now=100.0)  # a run starts as if Redis were away
+    assert not outage.over(105.0) and outage.over(105.1)
+    outage.answered()
+    assert not outage.over(1000.0)
+    outage.failed(ConnectionError("refused"), now=200.0)
+    outage.failed(ConnectionError("refused again"), now=203.0)
+    assert not outage.over(205.0) and outage.over(205.1), "from the first failure"
+    assert outage.why == "refused again"

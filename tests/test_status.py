@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import re
 import select
 import signal
@@ -113,32 +114,49 @@ def test_status_shows_a_live_worker_its_queues_and_results(
 
 
 @pytest.mark.serial
-def test_top_redraws_until_ctrl_c(redis_url: str, r: redis.Redis, keys: Keys) -> None:
+@pytest.mark.parametrize("out", ["terminal", "pipe"])
+def test_top_redraws_until_ctrl_c(redis_url: str, r: redis.Redis, keys: Keys, out: str) -> None:
+    """On a terminal frames are redrawn in place (HOME first); into a pipe they are plain
+    snapshots with no terminal code at all, each ending with a blank line."""
     with Client(redis_url) as client:
         client.submit(PHOTOS[0], timeout_s=600)
+    reader, writer = pty.openpty() if out == "terminal" else os.pipe()
     proc = subprocess.Popen([*CLI, "top", "--interval", "0.2", "--redis", redis_url],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=writer, stderr=subprocess.PIPE)
+    os.close(writer)
     try:
-        assert proc.stdout is not None
         seen = b""
         deadline = time.monotonic() + 60
-        while seen.count(HOME.encode()) < 3 and time.monotonic() < deadline:
-            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+        while seen.count(b"LAST_BEAT") < 3 and time.monotonic() < deadline:
+            ready, _, _ = select.select([reader], [], [], 1.0)
             if ready:
-                chunk = os.read(proc.stdout.fileno(), 65536)
-                assert chunk, f"top exited early: {proc.wait()} {proc.stderr.read()!r}"
+                chunk = os.read(reader, 65536)
+                assert chunk, f"top exited early: {proc.wait()} {proc.stderr!r}"
                 seen += chunk
-        assert seen.count(HOME.encode()) >= 3, seen
+        assert seen.count(b"LAST_BEAT") >= 3, seen
         proc.send_signal(signal.SIGINT)
-        # Keep reading while it exits: a full pipe would block its last frame's write.
+        while select.select([reader], [], [], 0.5)[0]:  # a full pipe would block its exit
+            try:
+                if not os.read(reader, 65536):
+                    break
+            except OSError:  # a pty's reader says EIO once the other side is gone
+                break
         _, err = proc.communicate(timeout=20)
         assert proc.returncode == 0, err
     finally:
+        os.close(reader)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    frames = [f for f in seen.decode().split(HOME) if f]
-    assert all(keys.model in frame and "LAST_BEAT" in frame for frame in frames[:2]), frames
+    text = seen.decode()
+    if out == "terminal":
+        frames = text.split(HOME)[1:]  # after the code that enters the alternate screen
+    else:
+        assert "\x1b" not in text, "no terminal codes into a pipe"
+        frames = ["redbatch  prefix" + f for f in text.split("redbatch  prefix")[1:]]
+        assert all(f.endswith("\n\n") for f in frames[:-1]), frames
+    assert len(frames) >= 3 and all(keys.model in frame and "LAST_BEAT" in frame
+                                    for frame in frames[:2]), frames
 
 
 def test_status_without_redis_reads_the_default_url(monkeypatch: pytest.MonkeyPatch) -> None:

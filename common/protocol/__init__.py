@@ -111,6 +111,7 @@ from redbatch.common.protocol.lifecycle import (
     parse_owner,
 )
 from redbatch.common.protocol.partitions import (
+    DEFAULT_PARTITIONS_SCRIPT,
     RAISE_PARTITIONS_SCRIPT,
     candidate_partitions,
     parse_partition_history,
@@ -203,6 +204,7 @@ __all__ = [
     "stream_partition",
     "MAX_PARTITIONS",
     "PARTITION_SEP",
+    "DEFAULT_PARTITIONS_SCRIPT",
     "RAISE_PARTITIONS_SCRIPT",
     "candidate_partitions",
     "parse_partition_history",

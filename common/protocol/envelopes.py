@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 import msgpack
@@ -46,7 +46,7 @@ which it enforces with an empty StackError (stated here so the page can name it)
 MAX_RESULT_BYTES = 64 * 1024 * 1024
 """Largest result envelope the Python client decodes."""
 
-class Status(str, Enum):
+class Status(StrEnum):
     OK = "ok"
     ERROR = "error"
 

@@ -6,15 +6,16 @@ ResultTimeout, ...) subclass it in producer/errors.py.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from redbatch.common.protocol.envelopes import ResultEnvelope
 
 
-class ErrorCode(str, Enum):
-    """Stable error codes written into error results (see PROTOCOL.md)."""
+class ErrorCode(StrEnum):
+    """Stable error codes written into error results (see PROTOCOL.md). A ``str``: printed,
+    formatted or compared, a code is its value (``bad_image``), never ``ErrorCode.X``."""
 
     BAD_ENVELOPE = "bad_envelope"
     """The job body is not a msgpack map of the documented shape."""

@@ -7,7 +7,7 @@ import re
 import uuid
 import zlib
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 DEFAULT_PREFIX = "redbatch"
 GROUP = "workers"
@@ -56,7 +56,7 @@ def partition_of(request_id: str, partitions: int) -> int:
     return zlib.crc32(request_id.encode("ascii")) % partitions
 
 
-class Lane(str, Enum):
+class Lane(StrEnum):
     """Which stream of a model a job goes to; workers serve interactive first."""
 
     INTERACTIVE = "interactive"

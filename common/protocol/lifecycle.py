@@ -24,7 +24,7 @@ NOTE [ Status and cancel ]
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import cast
 
 from redbatch.common.protocol.envelopes import ResultEnvelope
@@ -91,7 +91,7 @@ def _entry_after(entry_id: str, other: str) -> bool:
     return _id_key(entry_id) > _id_key(other)
 
 
-class JobState(str, Enum):
+class JobState(StrEnum):
     """Where a job is, as :func:`job_status` reads it from what Redis holds."""
 
     QUEUED = "queued"

@@ -31,6 +31,25 @@ return redis.call('LRANGE', KEYS[1], 0, -1)
 """
 
 
+DEFAULT_PARTITIONS_SCRIPT = f"""\
+-- redbatch default-partitions script, protocol 1 (revision 1)
+-- KEYS: P:{{M}}:partitions   ARGV: <P>   sets P once, where no count was ever set;
+-- replies the history after the call
+local new = ARGV[1]
+if not new:find('^[1-9]%d*$') or tonumber(new) > {MAX_PARTITIONS} then
+  return redis.error_reply('BAD_CALL P must be an integer from 1 to {MAX_PARTITIONS}')
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('RPUSH', KEYS[1], '1')
+  if new ~= '1' then redis.call('RPUSH', KEYS[1], new) end
+end
+return redis.call('LRANGE', KEYS[1], 0, -1)
+"""
+"""A worker meeting a model with no count on a cluster of N masters sets P = N with it
+(PROTOCOL.md "Partitions"); ``redbatch partitions --set 1`` records 1 with it, which keeps
+a model on one master. The history starts with 1: ids submitted before went there."""
+
+
 def parse_partition_history(raw: Sequence[bytes | str] | None) -> tuple[int, ...]:
     """The counts of the partitions list (``LRANGE 0 -1``), ascending; empty, absent or
     unreadable: ``(1,)``."""

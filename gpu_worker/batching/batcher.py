@@ -33,6 +33,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from redbatch.common.config import BatchSettings, default_of
+
 
 class Batchable(Protocol):
     @property
@@ -111,12 +113,13 @@ class LanePolicy:
     every ``bulk_starve_s`` plus one batch.
     """
 
-    #: Longest the oldest bulk request waits for a fuller batch, seconds.
-    bulk_max_wait_s: float = 0.05
+    #: Longest the oldest bulk request waits for a fuller batch, seconds (the defaults are
+    #: the worker's, common/config.py BatchSettings, in seconds).
+    bulk_max_wait_s: float = default_of(BatchSettings, "bulk_max_wait_ms") / 1000
     #: Places of a batch that starving bulk requests get, as a share of max_batch_size.
-    bulk_share: float = 0.125
+    bulk_share: float = default_of(BatchSettings, "bulk_share")
     #: How long bulk may go unserved while it waits before it gets reserved places, seconds.
-    bulk_starve_s: float = 0.5
+    bulk_starve_s: float = default_of(BatchSettings, "bulk_starve_ms") / 1000
     #: Expected run time of a batch holding bulk requests while interactive traffic is
     #: recent, seconds (None: no limit).
     bulk_batch_budget_s: float | None = None

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
+from redbatch.common.config import Settings, default_of
 from redbatch.common.protocol import (
     FIELD_ADMITTED,
     FIELD_CANCEL,
@@ -31,8 +32,9 @@ from redbatch.common.protocol import (
     ProtocolError,
     valid_request_id,
 )
-from redbatch.common.redis_io import StreamEntry
+from redbatch.common.redis_io import StreamEntry, error_code
 from redbatch.gpu_worker.streams.claims import Claim, rivals
+from redbatch.gpu_worker.streams.faults import StreamFaults
 from redbatch.gpu_worker.streams.partitions import PartitionSet, read_rounds
 from redbatch.gpu_worker.streams.reclaim import Reclaimer
 from redbatch.gpu_worker.streams.transaction import pipelined
@@ -118,9 +120,16 @@ class RedisClock:
         self._refreshed = float("-inf")
 
     def redis_now_ms(self) -> float:
+        """Redis's clock now, ms; while TIME fails (its node away), by the offset measured
+        last, measured again a second later."""
         if time.monotonic() - self._refreshed > CLOCK_REFRESH_S:
             before = time.time()
-            seconds, micros = self._redis.time()
+            try:
+                seconds, micros = self._redis.time()
+            except redis.RedisError as e:
+                logger.debug("TIME failed (%s); keeping the clock offset", e)
+                self._refreshed = time.monotonic() - CLOCK_REFRESH_S + 1.0
+                return time.time() * 1000 + self._offset_ms
             after = time.time()
             self._offset_ms = seconds * 1000 + micros / 1000 - (before + after) * 500
             self._refreshed = time.monotonic()
@@ -131,23 +140,29 @@ class Intake:
     """Reads and validates entries for one consumer of one model's group."""
 
     def __init__(self, r: redis.Redis, keys: Keys, consumer: str, max_payload_bytes: int,
-                 reclaim_idle_ms: int = 60_000, max_deliveries: int = 3) -> None:
+                 reclaim_idle_ms: int = default_of(Settings, "reclaim_idle_ms"),
+                 max_deliveries: int = default_of(Settings, "max_deliveries")) -> None:
         self._redis = r
         # XREADGROUP's replies parsed in one pass here (_entries), not by redis-py's chain
         # of callbacks per entry: this client is intake's own, and only intake reads.
         r.set_response_callback("XREADGROUP", _entries)
         self.keys = keys
-        self.partitions = PartitionSet(r, keys)
+        #: Streams (and the partitions key) set aside after a failure: each fails alone.
+        self.faults = StreamFaults()
+        self.partitions = PartitionSet(r, keys, self.faults)
         self.consumer = consumer
         self._max_payload = max_payload_bytes
         self._max_deliveries = max_deliveries
         self._clock = RedisClock(r)
-        self.reclaimer = Reclaimer(r, consumer, reclaim_idle_ms)
+        self.reclaimer = Reclaimer(r, consumer, reclaim_idle_ms, self.faults)
         # Pending recovery cursors; a stream leaves the dict once its backlog is read.
         self._pending_from: dict[str, bytes] = {}
         #: Each stream's partition keys and lane, for the partitions read so far.
         self._part_of: dict[str, Keys] = {}
         self._lane_of: dict[str, Lane] = {}
+        #: Streams whose consumer group is not there yet (its creation failed, or a read
+        #: found it gone): not read until it is made, tried again on their back-off.
+        self._no_group: set[str] = set()
         self._add_partitions(self.partitions.parts)
         self._replies_seen: set[tuple[int, str]] = set()
 
@@ -160,27 +175,68 @@ class Intake:
                 self._part_of[stream], self._lane_of[stream] = keys, lane
 
     def refresh_partitions(self, force: bool = False) -> None:
-        """Read the model's partition count if due; create the group on new partitions."""
+        """Read the model's partition count if due; create the group on new partitions.
+        Raises the Redis error of a forced read (PartitionSet.refresh)."""
         added = self.partitions.refresh(force)
         if added:
             logger.info("reading %d partitions of model %s", self.partitions.count,
                         self.keys.model)
-            self._create_groups([s for keys in added for s in keys.streams()])
             self._add_partitions(added)
+            self._create_groups([s for keys in added for s in keys.streams()])
 
     def ensure_groups(self) -> None:
         """Create the consumer group on every lane stream (from id 0, so jobs that
-        were queued before any worker existed are served)."""
+        were queued before any worker existed are served). A stream whose group cannot be
+        made now (its master away, a key of another type there) is set aside and tried
+        again while the others are read; raises the Redis error when the partition count
+        cannot be read, or when every stream failed and not all by WRONGTYPE (Redis is
+        away or refuses: out of memory, a replica), so that start-up waits."""
         self.refresh_partitions(force=True)
-        self._create_groups(self.partitions.streams())
+        streams = self.partitions.streams()
+        errors = self._create_groups(streams)
+        if len(errors) == len(streams) and any(error_code(e) != "WRONGTYPE" for e in errors):
+            raise next(e for e in errors if error_code(e) != "WRONGTYPE")
 
-    def _create_groups(self, streams: list[str]) -> None:
-        for stream in streams:
-            try:
-                self._redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
-            except redis.ResponseError as e:
-                if "BUSYGROUP" not in str(e):
-                    raise
+    def _create_groups(self, streams: list[str]) -> list[redis.RedisError]:
+        """Create the group on each of ``streams``; returns the errors of those that failed
+        (set aside, made on a later read: _retry_groups)."""
+        self._no_group.update(streams)
+        errors = [self._create_group(stream) for stream in streams]
+        return [e for e in errors if e is not None]
+
+    def _create_group(self, stream: str) -> redis.RedisError | None:
+        try:
+            self._redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                self.faults.failed([stream], e, "XGROUP CREATE")
+                return e
+        except redis.RedisError as e:
+            self.faults.failed([stream], e, "XGROUP CREATE")
+            return e
+        self._no_group.discard(stream)
+        self.faults.served([stream])
+        return None
+
+    def _retry_groups(self) -> None:
+        """Make the groups still missing whose back-off is over."""
+        for stream in [s for s in self._no_group if self.faults.usable(s)]:
+            self._create_group(stream)
+
+    def _usable(self, streams: list[str]) -> list[str]:
+        """The streams that may be read now: their group made, not set aside."""
+        if not self._no_group and not self.faults.any:
+            return streams
+        return [s for s in streams if s not in self._no_group and self.faults.usable(s)]
+
+    def _failed(self, streams: list[str], error: redis.RedisError, what: str) -> None:
+        """Set ``streams`` aside; a group gone (NOGROUP: Redis came back without its data,
+        or the stream was deleted) is made again on a later read."""
+        if error_code(error) == "NOGROUP":
+            logger.error("the consumer group of %s is gone (did Redis restart without "
+                         "persistence?); creating it again", ", ".join(streams))
+            self._no_group.update(streams)
+        self.faults.failed(streams, error, what)
 
     @property
     def recovering(self) -> bool:
@@ -206,15 +262,21 @@ class Intake:
               block_ms: int) -> tuple[list[Job], list[BadEntry]]:
         self.reclaimer.renew()
         self.refresh_partitions()
+        if self._no_group:
+            self._retry_groups()
         # Entries delivered before (our own pending ones, or taken over) may be poison.
         entries = self._read_pending(count) if self.recovering else []
         if not entries:
-            entries = self.reclaimer.claim(self.partitions.streams(), count)
+            entries = self.reclaimer.claim(self._usable(self.partitions.streams()), count)
         deliveries = self.reclaimer.deliveries(entries)
         taken_over = bool(entries)
         if not entries:
             entries = self._read_new(count, bulk_count, block_ms)
             deliveries = [1] * len(entries)
+        if not entries and self.faults.any and not self._usable(self.partitions.streams()):
+            # Every stream set aside: the read failed; the reader backs off and says why.
+            assert self.faults.last_error is not None
+            raise self.faults.last_error
         now_ms, now_s = self._clock.redis_now_ms(), time.monotonic()
         jobs: list[Job] = []
         bad: list[BadEntry] = []
@@ -266,7 +328,14 @@ class Intake:
 
     def _read_pending(self, count: int) -> list[tuple[str, StreamEntry]]:
         for stream, cursor in list(self._pending_from.items()):
-            got = self._xreadgroup({stream: cursor}, count, None)
+            if not self._usable([stream]):
+                continue  # read once it serves again
+            try:
+                got = self._xreadgroup({stream: cursor}, count, None)
+            except redis.RedisError as e:
+                self._failed([stream], e, "XREADGROUP (own pending entries)")
+                continue
+            self.faults.served([stream])
             if got:
                 self._pending_from[stream] = got[-1][1][0]
                 logger.info("re-reading %d pending entries of %s", len(got), stream)
@@ -285,22 +354,43 @@ class Intake:
             got += self._read_lane(Lane.BULK, bulk_count, start)
         if got or block_ms <= 0:
             return got
-        return self._block(count, bulk_count, block_ms, self.partitions.parts[start])
+        return self._block(count, bulk_count, block_ms, self._block_partition(start))
+
+    def _block_partition(self, start: int) -> Keys:
+        """Partition ``start``, or the first one on from it with a stream to read."""
+        parts = self.partitions.parts
+        if not self.faults.any and not self._no_group:
+            return parts[start]
+        order = parts[start:] + parts[:start]
+        return next((keys for keys in order if self._usable(keys.streams())), parts[start])
 
     def _block(self, count: int, bulk_count: int, block_ms: int,
                keys: Keys) -> list[tuple[str, StreamEntry]]:
         """Idle: block on both lanes of one partition; or, when bulk has no room, on
         interactive alone and only briefly, since bulk places come free without anything
         arriving in Redis. COUNT holds for each stream named, so each lane is asked for
-        half the room: never more entries than places."""
+        half the room: never more entries than places. A lane set aside is left out; with
+        none to block on, it sleeps as briefly instead (the reader never spins)."""
         if self.partitions.count > 1:  # one partition at a time (one slot per call)
             block_ms = max(1, min(block_ms, PARTITION_BLOCK_MAX_MS))
         both = min(count // 2, bulk_count)
-        if both > 0:
-            return self._xreadgroup({keys.stream(Lane.INTERACTIVE): ">",
-                                     keys.stream(Lane.BULK): ">"}, both, block_ms)
-        return self._xreadgroup({keys.stream(Lane.INTERACTIVE): ">"}, count,
-                                min(block_ms, BULK_RECHECK_MS))
+        interactive, bulk = keys.stream(Lane.INTERACTIVE), keys.stream(Lane.BULK)
+        asks = {interactive: count, bulk: bulk_count} if both > 0 else {interactive: count}
+        streams = self._usable(list(asks))
+        if not streams:
+            time.sleep(min(block_ms, PARTITION_BLOCK_MAX_MS) / 1000)
+            return []
+        if len(streams) == 2:
+            count = both
+        elif both > 0:  # the other lane is set aside: this one alone, for all its room
+            count = asks[streams[0]]
+        else:
+            block_ms = min(block_ms, BULK_RECHECK_MS)
+        try:
+            return self._xreadgroup(dict.fromkeys(streams, ">"), count, block_ms)
+        except redis.RedisError as e:
+            self._failed(streams, e, "XREADGROUP")
+            return []
 
     def _read_lane(self, lane: Lane, count: int, start: int) -> list[tuple[str, StreamEntry]]:
         """Up to ``count`` new entries of one lane over every partition (but bulk lanes
@@ -308,7 +398,7 @@ class Intake:
         (``read_rounds``), each one pipeline of one XREADGROUP per partition asked (one
         round trip to each node on a cluster); one call with one partition."""
         got: list[tuple[str, StreamEntry]] = []
-        rounds = read_rounds(self.partitions.to_read(lane, start), count)
+        rounds = read_rounds(self._usable(self.partitions.to_read(lane, start)), count)
         asks = next(rounds)
         while asks:
             replies = self._read_each(asks)
@@ -323,14 +413,26 @@ class Intake:
         """The new entries of each (stream, count) asked, in one pipeline when several
         (transaction.pipelined: packed, and one write to each node on a cluster)."""
         if len(asks) == 1:
-            return [self._xreadgroup({asks[0][0]: ">"}, asks[0][1], None)]
+            try:
+                got = self._xreadgroup({asks[0][0]: ">"}, asks[0][1], None)
+            except redis.RedisError as e:
+                self._failed([asks[0][0]], e, "XREADGROUP")
+                return [[]]
+            self.faults.served([asks[0][0]])
+            return [got]
         replies = pipelined(self._redis, [
             (stream, ("XREADGROUP", "GROUP", GROUP, self.consumer, "COUNT", n, "STREAMS",
-                      stream, ">")) for stream, n in asks])
-        for reply in replies:
-            if isinstance(reply, redis.ResponseError):
-                raise reply
-        return [_entries(reply) for reply in replies]
+                      stream, ">")) for stream, n in asks], node_errors=True)
+        out: list[list[tuple[str, StreamEntry]]] = []
+        for (stream, _), reply in zip(asks, replies, strict=True):
+            if isinstance(reply, redis.RedisError):  # that partition alone (issue 28)
+                self._failed([stream], reply, "XREADGROUP")
+                out.append([])
+            else:
+                out.append(_entries(reply))
+        self.faults.served([stream for (stream, _), reply in zip(asks, replies, strict=True)
+                            if not isinstance(reply, redis.RedisError)])
+        return out
 
     def _decode(self, stream: str, entry: StreamEntry, now_ms: float, now_s: float,
                 deliveries: int) -> Job | BadEntry:

@@ -3,11 +3,22 @@ read from Redis at start and again every REFRESH_S, and only ever grows here."""
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
+from typing import Any, cast
 
 import redis
-from redbatch.common.protocol import Keys, Lane, parse_partition_history
+from redbatch.common.protocol import (
+    DEFAULT_PARTITIONS_SCRIPT,
+    Keys,
+    Lane,
+    parse_partition_history,
+)
+from redbatch.common.redis_io import error_code, is_cluster
+from redbatch.gpu_worker.streams.faults import StreamFaults
+
+logger = logging.getLogger(__name__)
 
 REFRESH_S = 5.0
 """How often a worker reads the model's partition count again."""
@@ -21,8 +32,11 @@ time."""
 class PartitionSet:
     """Keys of every partition of one model, and a rotating order to read them in."""
 
-    def __init__(self, r: redis.Redis, keys: Keys) -> None:
+    def __init__(self, r: redis.Redis, keys: Keys, faults: StreamFaults | None = None) -> None:
         self._redis = r
+        #: Where a failed read of the count sets the partitions key aside (the streams'
+        #: own, in the intake).
+        self._faults = faults or StreamFaults()
         self.model_keys = keys.part(0)
         #: Partition p's keys at index p.
         self.parts: list[Keys] = [self.model_keys]
@@ -30,22 +44,72 @@ class PartitionSet:
         self._turn = 0
         #: When each bulk stream was last found empty (monotonic s).
         self._bulk_empty: dict[str, float] = {}
+        #: The partitions key was found holding another type (warned once).
+        self._warned = False
 
     @property
     def count(self) -> int:
         return len(self.parts)
 
     def refresh(self, force: bool = False) -> list[Keys]:
-        """Read the count if due (or ``force``); returns the keys of partitions it added."""
+        """Read the count if due (or ``force``); returns the keys of partitions it added.
+        A key of another type reads as 1 (warned once). Another failure keeps the count
+        read last, and the key is read again after a back-off; a forced read raises it."""
         now = time.monotonic()
-        if not force and now - self._checked < REFRESH_S:
+        key = self.model_keys.partitions()
+        if not force and (now - self._checked < REFRESH_S or not self._faults.usable(key)):
             return []
-        raw = self._redis.lrange(self.model_keys.partitions(), 0, -1)
+        raw: Sequence[bytes | str] | None
+        try:
+            raw = cast(list[bytes], self._redis.lrange(key, 0, -1))
+        except redis.ResponseError as e:
+            if error_code(e) != "WRONGTYPE":
+                return self._failed(e, force)
+            raw = None  # unreadable: 1 (PROTOCOL.md "Partitions")
+            if not self._warned:
+                self._warned = True
+                logger.warning("%s is not a list (%s): it reads as 1 partition until it "
+                               "is deleted", key, e)
+        except redis.RedisError as e:
+            return self._failed(e, force)
+        if force and raw == [] and is_cluster(self._redis):
+            raw = self._spread()
+        self._faults.served([key])
         self._checked = now
         count = parse_partition_history(raw)[-1]
         added = [self.model_keys.part(p) for p in range(self.count, count)]
         self.parts += added
         return added
+
+    def _spread(self) -> list[bytes]:
+        """No count was ever set on this cluster: set P = its masters, once for every
+        worker (DEFAULT_PARTITIONS_SCRIPT), so that the model spreads over them; said in
+        one line. Refused (an ACL user without the script): P stays 1, said so."""
+        key = self.model_keys.partitions()
+        masters = len(cast(Any, self._redis).get_primaries())
+        if masters < 2:
+            return []
+        try:
+            history = cast(list[bytes], self._redis.eval(DEFAULT_PARTITIONS_SCRIPT, 1, key,
+                                                         masters))
+        except redis.RedisError as e:
+            logger.warning("model %s has no partition count and it could not be set (%s): "
+                           "it stays on one of the cluster's %d masters; run redbatch "
+                           "partitions --set %d to spread it", self.model_keys.model, e,
+                           masters, masters)
+            return []
+        logger.info("model %s had no partition count: %s now, set for the cluster's %d "
+                    "masters (redbatch partitions --set 1 before the first worker starts "
+                    "keeps a model on one)", self.model_keys.model,
+                    parse_partition_history(history)[-1], masters)
+        return history
+
+    def _failed(self, error: redis.RedisError, force: bool) -> list[Keys]:
+        self._faults.failed([self.model_keys.partitions()], error,
+                            f"reading the partition count ({self.count} read before)")
+        if force:
+            raise error
+        return []
 
     def streams(self) -> list[str]:
         """Every job stream, partition by partition, interactive first in each."""

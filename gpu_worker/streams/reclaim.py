@@ -42,6 +42,7 @@ from typing import Any, cast
 import redis
 from redbatch.common.protocol import GROUP
 from redbatch.common.redis_io import StreamEntry
+from redbatch.gpu_worker.streams.faults import StreamFaults
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +102,11 @@ class Leases:
 class Reclaimer:
     """Takeover of idle entries, lease renewal, and delivery counts."""
 
-    def __init__(self, r: redis.Redis, consumer: str, idle_ms: int) -> None:
+    def __init__(self, r: redis.Redis, consumer: str, idle_ms: int,
+                 faults: StreamFaults | None = None) -> None:
         self._redis = r
+        #: The intake's streams set aside: a stream that fails here fails alone.
+        self._faults = faults or StreamFaults()
         self.consumer = consumer
         self.idle_ms = idle_ms
         self.leases = Leases()
@@ -111,14 +115,19 @@ class Reclaimer:
         self._forget = r.register_script(_FORGET_DEPARTED)
 
     def renew(self) -> None:
-        """Reset the idle time of every held entry not renewed for a third of the limit."""
+        """Reset the idle time of every held entry not renewed for a third of the limit. A
+        stream whose renewal fails is set aside (its entries are renewed next period, or
+        taken over once idle if its master stays away past the limit)."""
         period = self.idle_ms / 3000
         if time.monotonic() - self._last_renew < period:
             return
         self._last_renew = time.monotonic()
         for stream, ids in self.leases.due(period).items():
             message_ids: list[Any] = list(ids)
-            self._redis.xclaim(stream, GROUP, self.consumer, 0, message_ids, justid=True)
+            try:
+                self._redis.xclaim(stream, GROUP, self.consumer, 0, message_ids, justid=True)
+            except redis.RedisError as e:
+                self._faults.failed([stream], e, "renewing leases (XCLAIM)")
 
     def claim(self, streams: list[str], count: int) -> list[tuple[str, StreamEntry]]:
         """Up to ``count`` entries idle longer than the limit on any stream, now ours.
@@ -133,7 +142,10 @@ class Reclaimer:
         for stream in streams:
             if len(got) >= count:
                 break
-            got += self._claim_stream(stream, count - len(got))
+            try:
+                got += self._claim_stream(stream, count - len(got))
+            except redis.RedisError as e:
+                self._faults.failed([stream], e, "taking over idle jobs")
         if got:
             logger.warning("took over %d jobs idle for over %d ms from other consumers",
                            len(got), self.idle_ms)
@@ -142,9 +154,13 @@ class Reclaimer:
 
     def _forget_departed(self, streams: list[str]) -> None:
         """Delete consumers that left holding nothing (see NOTE [ Departed consumers ])."""
-        for stream in streams:
-            gone = self._forget(keys=[stream],
-                                args=[GROUP, DEPARTED_AFTER * self.idle_ms, self.consumer])
+        for stream in self._faults.keep_usable(streams):
+            try:
+                gone = self._forget(keys=[stream],
+                                    args=[GROUP, DEPARTED_AFTER * self.idle_ms, self.consumer])
+            except redis.RedisError as e:
+                self._faults.failed([stream], e, "removing departed consumers")
+                continue
             if gone:
                 names = ", ".join(n.decode() if isinstance(n, bytes) else str(n) for n in gone)
                 logger.info("removed departed consumers with nothing pending from %s: %s",

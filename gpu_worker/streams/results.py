@@ -135,6 +135,11 @@ class Flushed:
     cannot take them); retry them later."""
     undeliverable: int = 0
     """Answers acknowledged whose own keys failed; each went to the dead-letter stream."""
+    failed: list[Answer] = field(default_factory=list)
+    """Answers of the partitions whose write failed (nothing of theirs written or
+    acknowledged), the other partitions' written: retry these alone."""
+    error: Exception | None = None
+    """Why the first of those partitions failed (RedisUnavailable, RedisRefused)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,28 +267,40 @@ class ResultWriter:
 
     def write_and_ack(self, answers: Sequence[Answer]) -> Flushed:
         """Write every result, then XACK and XDEL every entry, in one transaction per
-        partition (its keys share one slot; PROTOCOL.md "Partitions"). A failure raises
-        as below, though partitions written before it stay written: the retry writes their
-        answers again, which the answer keys take as a taken-over job's second answer."""
+        partition (its keys share one slot; PROTOCOL.md "Partitions"). Each partition
+        fails alone: one whose write fails (its master away, or refusing) has its answers
+        in ``Flushed.failed``, the others are written (issue 28), so a retry of the failed
+        ones never writes another partition's answers twice. Raises as _write_and_ack
+        when every partition failed (nothing written)."""
         by_part: dict[int, list[Answer]] = {}
         for answer in answers:
             by_part.setdefault(stream_partition(answer.stream)[0], []).append(answer)
         if len(by_part) == 1:
             return self._sibling(next(iter(by_part)))._write_and_ack(answers)
         held: list[Answer] = []
+        failed: list[Answer] = []
+        errors: list[Exception] = []
         undeliverable = 0
         for part, group in by_part.items():
-            flushed = self._sibling(part)._write_and_ack(group)
+            try:
+                flushed = self._sibling(part)._write_and_ack(group)
+            except (RedisUnavailable, RedisRefused) as e:
+                failed += group
+                errors.append(e)
+                continue
             held += flushed.held
             undeliverable += flushed.undeliverable
-        return Flushed(held, undeliverable)
+        if len(errors) == len(by_part):
+            raise errors[0]
+        return Flushed(held, undeliverable, failed, errors[0] if errors else None)
 
     def _sibling(self, partition: int) -> ResultWriter:
-        """The writer of one partition of the model (this one for its own)."""
+        """The writer of one partition of the model (this one for its own), with the same
+        replica wait: each partition's transaction has its own WAIT."""
         writer = self._siblings.get(partition)
         if writer is None:
             writer = ResultWriter(self._redis, self.keys.part(partition), self.worker,
-                                  self._ttl_ms // 1000)
+                                  self._ttl_ms // 1000, self._wait, self._waited)
             self._siblings[partition] = writer
         return writer
 

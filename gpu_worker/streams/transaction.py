@@ -7,9 +7,10 @@ look-up of its reply callback, a pack of the command on its own, and a parse of 
 it reads each reply only for errors and one integer. :class:`Commands` records the commands
 through redis-py's own command methods (so their arguments are built as redis-py builds
 them), and :func:`exec_transaction` packs ``MULTI``, the commands and ``EXEC`` into one
-buffer (each command by hiredis, in C), sends it in one write, and returns EXEC's replies
-as the parser gives them: bytes, integers, lists, and the error replies of single commands
-as ResponseError values.
+buffer (each command by hiredis, in C, or in Python where hiredis is not installed: redis-py
+works without it), sends it in one write, and returns EXEC's replies as the parser gives
+them: bytes, integers, lists, and the error replies of single commands as ResponseError
+values.
 
 Errors follow the Pipeline's so that the caller's NOTE [ Write failures ] holds: a dropped
 connection or a timeout raises ConnectionError / TimeoutError, and a transaction Redis
@@ -33,13 +34,12 @@ NOTE [ WAIT after the write ]
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
 import redis.cluster
-from hiredis import pack_command
 from redbatch.common.redis_io import REDIS_ERRORS, is_cluster, node_client, refresh_slots
 from redis.commands.core import CoreCommands
 from redis.crc import key_slot
@@ -92,6 +92,36 @@ class Commands(CoreCommands):
 
     def __len__(self) -> int:
         return len(self.args)
+
+
+def pack_in_python(args: Sequence[Any]) -> bytes:
+    """One command as a RESP array of bulk strings, byte for byte what hiredis's
+    ``pack_command`` makes: bytes as they are, str as UTF-8, int and float as their
+    decimal text (repr, as redis-py's encoder writes a float). TypeError for anything else."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        if isinstance(arg, bytes):
+            data = arg
+        elif isinstance(arg, str):
+            data = arg.encode()
+        elif isinstance(arg, (int, float)) and not isinstance(arg, bool):
+            data = repr(arg).encode()
+        else:
+            raise TypeError(f"cannot pack a {type(arg).__name__} into a Redis command")
+        parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+def _packer() -> Callable[[Sequence[Any]], bytes]:
+    """hiredis's pack_command, or pack_in_python in an install without hiredis."""
+    try:
+        from hiredis import pack_command as packer
+    except ImportError:
+        return pack_in_python
+    return cast(Callable[[Sequence[Any]], bytes], packer)
+
+
+pack_command = _packer()
 
 
 _MULTI, _EXEC = pack_command(("MULTI",)), pack_command(("EXEC",))
@@ -162,7 +192,8 @@ def _read_exec(conn: Any, n: int) -> list[Any]:
     return list(replies) if replies is not None else []
 
 
-def pipelined(client: redis.Redis, commands: Sequence[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+def pipelined(client: redis.Redis, commands: Sequence[tuple[str, tuple[Any, ...]]],
+              node_errors: bool = False) -> list[Any]:
     """The reply of each ``(key, command)``, in order, the commands sent as a plain
     pipeline (no transaction) packed as exec_transaction packs one; on a cluster each is
     sent to the master of its key's slot, every master its commands in one write before
@@ -170,27 +201,29 @@ def pipelined(client: redis.Redis, commands: Sequence[tuple[str, tuple[Any, ...]
     (RESP as the parser gives it), an error reply a ResponseError value. A dropped
     connection or a timeout raises (the connection is dropped); on a cluster that, or a
     slot that moved, also makes the client read the slot map again (a MOVED reply is
-    raised, once the other replies are read)."""
+    raised, once the other replies are read).
+
+    ``node_errors``: a master that cannot be reached, or a slot that moved, fails only its
+    own commands: their replies are the error (a ConnectionError, TimeoutError or MOVED
+    value), and the other masters' replies come as ever (issue 28: partitions that fail
+    alone)."""
     by_node: dict[int, tuple[redis.Redis, list[int]]] = {}
     for i, (key, _) in enumerate(commands):
         node = node_of(client, key)
         by_node.setdefault(id(node), (node, []))[1].append(i)
     replies: list[Any] = [None] * len(commands)
     taken: list[tuple[Any, Any, list[int]]] = []
+    failed = False
     try:
         for node, indexes in by_node.values():
-            pool = node.connection_pool
-            conn: Any = pool.get_connection()
-            taken.append((pool, conn, indexes))
-            conn.send_packed_command([b"".join(pack_command(commands[i][1]) for i in indexes)],
-                                     check_health=False)
+            try:
+                _send(node, commands, indexes, taken)
+            except REDIS_ERRORS as e:
+                failed = _node_failed(e, indexes, replies, node_errors)
         for _, conn, indexes in taken:
-            for i in indexes:
-                try:
-                    replies[i] = conn.read_response()
-                except redis.ResponseError as e:
-                    replies[i] = e
-            indexes.clear()  # every reply read: the connection is clean
+            if failed and replies[indexes[0]] is not None:
+                continue  # its send failed: nothing to read (dropped below)
+            failed = _read_node(conn, indexes, replies, node_errors) or failed
     except REDIS_ERRORS:
         refresh_slots(client)
         raise
@@ -199,10 +232,48 @@ def pipelined(client: redis.Redis, commands: Sequence[tuple[str, tuple[Any, ...]
             if indexes:
                 conn.disconnect()
             pool.release(conn)
-    if any(isinstance(r, (MovedError, AskError)) for r in replies):
+    moved = [r for r in replies if isinstance(r, (MovedError, AskError))]
+    if failed or moved:
         refresh_slots(client)
-        raise next(r for r in replies if isinstance(r, (MovedError, AskError)))
+    if moved and not node_errors:
+        raise moved[0]
     return replies
+
+
+def _send(node: redis.Redis, commands: Sequence[tuple[str, tuple[Any, ...]]],
+          indexes: list[int], taken: list[tuple[Any, Any, list[int]]]) -> None:
+    """Send one master its commands in one write; its connection joins ``taken``."""
+    pool = node.connection_pool
+    conn: Any = pool.get_connection()
+    taken.append((pool, conn, indexes))
+    conn.send_packed_command([b"".join(pack_command(commands[i][1]) for i in indexes)],
+                             check_health=False)
+
+
+def _read_node(conn: Any, indexes: list[int], replies: list[Any], node_errors: bool) -> bool:
+    """Read one master's replies into ``replies``; True when it failed (its connection is
+    then left dirty, ``indexes`` not cleared, to be dropped)."""
+    try:
+        for i in indexes:
+            try:
+                replies[i] = conn.read_response()
+            except redis.ResponseError as e:
+                replies[i] = e
+    except REDIS_ERRORS as e:
+        return _node_failed(e, [i for i in indexes if replies[i] is None], replies,
+                            node_errors)
+    indexes.clear()  # every reply read: the connection is clean
+    return False
+
+
+def _node_failed(error: Exception, indexes: list[int], replies: list[Any],
+                 node_errors: bool) -> bool:
+    """A master failed: its commands' replies are the error, or it raises."""
+    if not node_errors:
+        raise error
+    for i in indexes:
+        replies[i] = error
+    return True
 
 
 def node_of(client: redis.Redis, key: str) -> redis.Redis:

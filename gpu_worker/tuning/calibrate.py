@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -139,7 +139,7 @@ def calibrate(handler: Handler, model: Model, device: torch.device, spec: str, n
                     allow_reduced_precision=allow, max_wait_ms=wait, device_kind=device.type)
     return Profile(model=name, model_spec=spec, fingerprint=fp, device=info,
                    torch_version=torch.__version__,
-                   created_utc=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                   created_utc=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                    settings={"latency_budget_ms": budget, "max_wait_ms": wait,
                              "max_batch_cap": cap,
                              "runs": settings.runs, "quick": settings.quick,

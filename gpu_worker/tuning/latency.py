@@ -6,7 +6,7 @@ on the shape of the latency table: on a GPU a batch of 64 may take barely longer
 one image, so batching only shortens the queue; on a CPU whose time grows almost
 linearly with the batch, a large batch adds latency and little capacity.
 
-The rule (README "Calibration and tuning"): a max batch size is within the default
+The rule (docs/tuning.md "The default latency budget"): a max batch size is within the default
 budget when a server running it, loaded to LOAD of its own capacity with Poisson
 arrivals, has a p99 no worse than a batch-1 server of the same variant at LOAD of its
 own capacity (within WITHIN_NOISE); the choice among those sizes is the usual one

@@ -231,7 +231,7 @@ class DeviceInfo:
 
 @dataclass(frozen=True, slots=True)
 class Profile:
-    """Everything in one profile file (see README "Calibration and tuning")."""
+    """Everything in one profile file (see docs/tuning.md "Calibration")."""
 
     model: str
     model_spec: str
