@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from redbatch.gpu_worker.generation.blocks import BlockPool, Reservation
 
 
-class Finish(str, Enum):
+class Finish(StrEnum):
     """Why a sequence ended (the last entry of its token stream says it)."""
 
     STOP = "stop"            # EOS or a stop string
