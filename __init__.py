@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         AsyncJobHandle,
         Client,
         DuplicateRequestId,
+        FunctionsMissing,
         JobCancelled,
         JobFailed,
         JobHandle,
@@ -48,9 +49,10 @@ if TYPE_CHECKING:
 #: Client``), imported on first use so that ``import redbatch`` stays light (a worker or
 #: the CLI does not load the client).
 __all__ = ["AsyncClient", "AsyncJobHandle", "Client", "DuplicateRequestId", "ErrorCode",
-           "JobCancelled", "JobFailed", "JobHandle", "JobState", "JobStatus", "Lane",
-           "ProtocolError", "QueueFull", "RedbatchError", "RedisRefusedCall",
-           "RedisUnreachable", "Result", "ResultTimeout", "ResultUnreadable"]
+           "FunctionsMissing", "JobCancelled", "JobFailed", "JobHandle", "JobState",
+           "JobStatus", "Lane", "ProtocolError", "QueueFull", "RedbatchError",
+           "RedisRefusedCall", "RedisUnreachable", "Result", "ResultTimeout",
+           "ResultUnreadable"]
 #: Where each comes from: the protocol's two, the client module the rest.
 _EXPORTS = {name: "redbatch.common.protocol" if name in ("ErrorCode", "Lane")
             else "redbatch.producer.client" for name in __all__}

@@ -69,6 +69,8 @@ def acl(models: tuple[str, ...], prefix: str, roles: tuple[str, ...], fmt: str, 
         keys = [Keys(model, prefix) for model in dict.fromkeys(models)]
         users = [rules.build_user(str(names[f"{role.value}_user"]), role, passwords[role],
                                   keys, version) for role in wanted]
+        if admin is not None and apply_:
+            rules.load_functions(admin)
         for user in users:
             if admin is not None and apply_:
                 rules.apply(admin, user)

@@ -10,18 +10,21 @@ NOTE [ ACL roles ]
   raised later too; no other model's tag starts with ``M#`` (no name holds ``#``). The
   model-wide keys (partition count, workers) are partition 0's only.
 
-  producer: submit through the admission script (EVAL/EVALSHA; inside it HGET of the
-    limits hash, XLEN, GET/SET of the id's owner key, XADD to the lane stream and XDEL of
-    the entry of a duplicate it takes back out), or by a plain XADD; read a lane's backlog
-    and bound (XLEN, HGET) and whether a worker serves it (XINFO GROUPS); a job's status and
-    cancel (the status and cancel scripts: GET of its result and owner, XINFO GROUPS and
-    XPENDING of the lanes; XADD of a cancel entry, XDEL of the job, SET of its owner); wait for and
-    read results (GET, MGET, EXISTS, BLPOP of a done list or a reply list, LPOP and
-    BLMPOP of a reply list) and delete what it has read (DEL of result, done, owner and reply keys,
-    as ``redbatch score`` does); read which workers are alive (ZRANGE of the workers set,
-    GET/MGET of their heartbeat records: ``Client.workers``, ``is_ready``).
-    It may not write a result or a done token (no SET, RPUSH there), change a bound,
-    touch another model, or run any admin command.
+  producer: call the protocol's functions (FCALL, FCALL_RO: no EVAL, no SCRIPT, no
+    FUNCTION, so no Lua of its own; NOTE [ Functions, not scripts ] in
+    common/protocol/functions.py). Redis checks a function's commands against the caller's
+    rules, so it also holds what they run: admission (HGET of the limits hash, XLEN, GET/SET
+    of the id's owner key, XADD to the lane stream and XDEL of a duplicate's entry), status
+    (GET of its result and owner, LINDEX of its done list, XINFO GROUPS and XPENDING of the
+    lanes) and cancel (XADD of a cancel entry, XDEL of the job, SET of its owner). Besides:
+    read a lane's backlog and bound (XLEN, HGET) and whether a worker serves it (XINFO
+    GROUPS); wait for and read results (GET, MGET, EXISTS of result keys, BLPOP and LINDEX
+    of a done list, BLPOP, LPOP and BLMPOP of a reply list) and delete what it has read
+    (DEL of result, done, owner and reply keys, as ``redbatch score`` does); read which
+    workers are alive (ZRANGE of the workers set, GET/MGET of their heartbeat records:
+    ``Client.workers``, ``is_ready``). It may not write a result or a done token (no SET,
+    RPUSH or BLMOVE there: a list moved onto another id's done or result key would plant
+    an answer), change a bound, touch another model, or run any admin command.
   worker: everything ``redbatch worker`` sends: the consumer group (XGROUP CREATE,
     XREADGROUP, XCLAIM, XPENDING, XRANGE, XACK, XDEL, XINFO, the departed-consumer
     script), results in MULTI/EXEC (SET, RPUSH, PEXPIRE; WATCH and TYPE for the keys
@@ -29,8 +32,8 @@ NOTE [ ACL roles ]
     (SET, ZADD, ZREM, ZREMRANGEBYSCORE, LPUSH, LPUSHX, LTRIM, DEL) and TIME. It may not change
     a bound, touch another model, or run any admin command.
   Both: what redis-py sends on connecting (HELLO, CLIENT SETINFO, SELECT for a
-  database other than 0) and PING, SCRIPT LOAD and SCRIPT EXISTS (redis-py loads a
-  script that Redis does not know yet), no Pub/Sub channels.
+  database other than 0) and PING, no Pub/Sub channels. The worker also loads the
+  function library (FUNCTION LOAD) and its own script (SCRIPT LOAD, SCRIPT EXISTS).
 
   Within its models a producer is trusted with every request: request ids are not
   bound to users, so it can read, await or delete another producer's result, or take
@@ -49,6 +52,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import redis
 from redbatch.common.config import DEFAULT_REDIS_URL
 from redbatch.common.protocol import PARTITION_SEP, Keys, Lane
+from redbatch.common.protocol.functions import load_library
 from redbatch.common.redis_io import is_cluster
 from redis.cluster import RedisCluster
 
@@ -57,11 +61,12 @@ _ANY = "ANY0"
 _ANY_PART = 1
 """The partition whose number in a key's tag becomes ``[1-9]*``: any partition but 0."""
 
-#: Keyless commands both roles send: redis-py's connection set-up, and script loading.
-#: The last three are what a Redis Cluster client reads on connecting: the slot map and the
-#: command table (where each command's keys are); a plain client never sends them.
-CONNECTION = ("hello", "ping", "select", "script|load", "script|exists", "cluster|slots",
-              "cluster|shards", "command")
+#: Keyless commands both roles send: redis-py's connection set-up. The last three are what
+#: a Redis Cluster client reads on connecting: the slot map and the command table (where
+#: each command's keys are); a plain client never sends them.
+CONNECTION = ("hello", "ping", "select", "cluster|slots", "cluster|shards", "command")
+#: Keyless commands of the worker alone: loading the function library and its own script.
+LOADING = ("function|load", "script|load", "script|exists")
 #: redis-py names itself with CLIENT SETINFO on connecting (it ignores a refusal); Redis
 #: 7.2 added the subcommand, and 7.0 refuses a rule that names it.
 SETINFO = "client|setinfo"
@@ -141,21 +146,23 @@ def producer_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[st
     streams = [k.stream(lane) for k in parts for lane in Lane]
     limits = [k.limits() for k in parts]
     owners = [k.owner(_ANY) for k in parts]
-    answers = [key for k in parts
-               for key in (k.result(_ANY), k.done(_ANY), k.owner(_ANY), k.reply(_ANY))]
+    results = [k.result(_ANY) for k in parts]
+    dones = [k.done(_ANY) for k in parts]
+    replies = [k.reply(_ANY) for k in parts]
     fleets = [k.workers() for k in models]
     records = [k.worker(_ANY) for k in models]
     return (
-        "-@all", *_connection(version), "+eval", "+evalsha",
-        # EVAL declares its keys read-write, so the script's keys are the root's; what
-        # the script may do with them is decided command by command by the selectors.
-        *_keys(*streams, *limits, *owners,
-               *(key for k in parts for key in (k.result(_ANY), k.done(_ANY)))),
+        "-@all", *_connection(version), "+fcall", "+fcall_ro",
+        # FCALL declares its keys read-write, so the functions' keys are the root's; what
+        # a function may do with them is decided command by command by the selectors.
+        *_keys(*streams, *limits, *owners, *results, *dones),
         _selector(("xadd", "xdel", "xlen", "xinfo|groups", "xpending"), _keys(*streams)),
         _selector(("hget",), _keys(*limits, mode="%R~")),
         _selector(("exists", "get", "set"), _keys(*owners)),
-        _selector(("get", "mget", "exists", "blpop", "lpop", "blmpop", "blmove", "lindex",
-                   "del"), _keys(*answers)),
+        # Read and delete what was read: one DEL frees an id's result, done list and owner.
+        _selector(("get", "mget", "exists", "del"), _keys(*results, *dones, *owners, *replies)),
+        _selector(("blpop", "lindex"), _keys(*dones)),
+        _selector(("blpop", "lpop", "blmpop"), _keys(*replies)),
         # Which workers are alive (Client.workers, is_ready): read only.
         _selector(("zrange",), _keys(*fleets, mode="%R~")),
         _selector(("mget", "get"), _keys(*records, mode="%R~")),
@@ -171,7 +178,8 @@ def _partitions_read(models: Sequence[Keys]) -> str:
 _STREAM_COMMANDS = ("xgroup|create", "xgroup|delconsumer", "xreadgroup", "xclaim", "xpending",
                     "xrange", "xack", "xdel", "xlen", "xinfo|groups", "xinfo|consumers",
                     "eval", "evalsha")
-_ANSWER_COMMANDS = ("set", "get", "rpush", "pexpire")
+#: MGET: the owners of the admitted entries a read took (gpu_worker/streams/claims.py).
+_ANSWER_COMMANDS = ("set", "get", "mget", "rpush", "pexpire")
 _FLEET_COMMANDS = ("set", "del", "zadd", "zrem", "zremrangebyscore", "lpush", "lpushx", "ltrim",
                    "pexpire")
 #: Every key-bound command a worker may also use to check a key before it writes it.
@@ -187,7 +195,7 @@ def worker_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[str,
     fleet = [*(key for k in models for key in (k.workers(), k.worker(_ANY))),
              *(k.recent() for k in parts)]
     return (
-        "-@all", *_connection(version),
+        "-@all", *_connection(version), *(f"+{c}" for c in LOADING),
         *(f"+{c}" for c in ("time", "multi", "exec", "discard", "unwatch")),
         _selector((*_STREAM_COMMANDS, *_CHECKS), _keys(*streams)),
         _selector(("xadd", "xlen", *_CHECKS), _keys(*(k.dlq() for k in parts))),
@@ -227,6 +235,12 @@ def server_version(r: redis.Redis) -> tuple[int, int]:
     """(major, minor) of the Redis server ``r`` talks to (INFO server)."""
     major, minor, *_ = str(r.info("server")["redis_version"]).split(".")
     return int(major), int(minor)
+
+
+def load_functions(r: redis.Redis) -> None:
+    """Load the function library the producer calls (on a cluster, on every master), so
+    that producers can submit before any worker has started. Needs an admin connection."""
+    load_library(r)
 
 
 def apply(r: redis.Redis, user: AclUser) -> None:

@@ -176,10 +176,10 @@ def _unreachable_as_connection_error(nodes_manager: Any) -> None:
 
 def movable_keys(args: tuple[Any, ...]) -> list[Any] | None:
     """The keys of a command whose keys move (XREADGROUP, XREAD, BLMPOP, LMPOP, EVALSHA,
-    EVAL), found in its arguments; None for any other command. A cluster client asks a
-    node for them (``COMMAND GETKEYS``, one more round trip to one node) before every such
-    command (a script in a pipeline too): measured, two of every three commands a worker
-    sent on a cluster (BENCHMARKS.md, the scale curve)."""
+    EVAL, FCALL, FCALL_RO), found in its arguments; None for any other command. A cluster
+    client asks a node for them (``COMMAND GETKEYS``, one more round trip to one node)
+    before every such command (a script in a pipeline too): measured, two of every three
+    commands a worker sent on a cluster (BENCHMARKS.md, the scale curve)."""
     name = str(args[0]).upper() if args else ""
     if name in ("XREADGROUP", "XREAD"):  # past GROUP <group> <consumer>: a name is no word
         for i in range(4 if name == "XREADGROUP" else 1, len(args)):
@@ -187,7 +187,8 @@ def movable_keys(args: tuple[Any, ...]) -> list[Any] | None:
                 rest = args[i + 1:]
                 return list(rest[:len(rest) // 2])
         return None
-    first = {"BLMPOP": 2, "LMPOP": 1, "EVALSHA": 2, "EVAL": 2}.get(name)
+    first = {"BLMPOP": 2, "LMPOP": 1, "EVALSHA": 2, "EVAL": 2, "FCALL": 2,
+             "FCALL_RO": 2}.get(name)
     if first is None or len(args) <= first:
         return None
     return list(args[first + 1:first + 1 + int(args[first])])

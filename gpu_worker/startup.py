@@ -23,6 +23,7 @@ import redis
 from redbatch import __version__
 from redbatch.common.config import BatchSettings, RedisSettings, Settings
 from redbatch.common.protocol import Keys
+from redbatch.common.protocol.functions import LIBRARY_NAME, load_library
 from redbatch.common.redis_io import REDIS_ERRORS, Backoff, RedisUnavailable, connect, error_code
 from redbatch.gpu_worker.batching.batcher import Batcher, LanePolicy, LatencyEstimator
 from redbatch.gpu_worker.batching.capacity import Capacity
@@ -211,10 +212,11 @@ def _metrics(first: WorkerMetrics, settings: list[Settings]) -> list[WorkerMetri
 def _connect(s: Settings, metrics: WorkerMetrics, health: Health,
              stop: threading.Event) -> tuple[Intake, ResultWriter]:
     """A model's intake, once its consumer groups exist, and its result writer."""
-    intake = Intake(connect_waiting(s.redis, stop), Keys(s.model.served_name, s.redis.prefix),
-                    s.consumer, s.limits.max_payload_bytes, s.reclaim_idle_ms,
-                    s.max_deliveries)
+    r = connect_waiting(s.redis, stop)
+    intake = Intake(r, Keys(s.model.served_name, s.redis.prefix), s.consumer,
+                    s.limits.max_payload_bytes, s.reclaim_idle_ms, s.max_deliveries)
     wait_for_redis(intake, health, stop)
+    load_functions(r)
     wait = ReplicaWait(s.result_replicas, s.result_wait_ms) if s.result_replicas else None
     writer = ResultWriter(connect(s.redis), intake.keys, s.consumer, s.result_ttl_s, wait,
                           metrics.result_waited)
@@ -325,6 +327,19 @@ def connect_waiting(settings: RedisSettings, stop: threading.Event) -> redis.Red
             logger.warning("Redis not reachable (%s); retrying in %.1fs", e, wait)
             if stop.wait(wait):
                 raise RedisUnavailable("stopped while waiting for Redis") from e
+
+
+def load_functions(r: redis.Redis) -> None:
+    """Load the protocol's function library (PROTOCOL.md "The function library"), on a
+    cluster on every master, so that producers, who may not load it, can submit. A refusal
+    (a worker user made before the library, without FUNCTION LOAD) or a lost Redis is one
+    warning: the worker serves what is queued either way."""
+    try:
+        load_library(r)
+    except redis.RedisError as e:
+        logger.warning("cannot load the function library %s (%s): producers that may not "
+                       "load it get functions_missing until it is loaded (`redbatch acl "
+                       "--apply` does)", LIBRARY_NAME, str(e)[:120])
 
 
 def wait_for_redis(intake: Intake, health: Health, stop: threading.Event) -> None:

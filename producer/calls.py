@@ -14,7 +14,8 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from redbatch.common.protocol import ADMIT_SCRIPT, ResultEnvelope
+from redbatch.common.protocol import ResultEnvelope
+from redbatch.common.protocol.functions import ADMIT_FUNCTION
 
 T = TypeVar("T")
 
@@ -41,12 +42,14 @@ class Command:
 
 @dataclass(frozen=True, slots=True)
 class Script:
-    """One run of one of the protocol's scripts (EVALSHA, loading it on NOSCRIPT): the
-    admission script unless ``text`` names another (the cancel script)."""
+    """One call of one of the protocol's functions (FCALL, or FCALL_RO when ``read_only``;
+    the library is loaded, where the user may, when Redis lacks it): the admission
+    function unless ``function`` names another (status, cancel)."""
 
     keys: list[str]
     args: list[Arg]
-    text: str = ADMIT_SCRIPT
+    function: str = ADMIT_FUNCTION
+    read_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,7 @@ from redbatch.common.config import (
 )
 from redbatch.common.protocol import (
     DEFAULT_PREFIX,
+    IDEMPOTENCY_WINDOW_MS,
     JobCancelled,
     JobEnvelope,
     JobFailed,
@@ -56,10 +57,11 @@ from redbatch.common.protocol import (
     ResultEnvelope,
     WorkerRecord,
 )
-from redbatch.common.redis_io import connect, connect_async
+from redbatch.common.redis_io import connect, connect_async, is_cluster
 from redbatch.producer.core import ClientCore, QueueState, admitted_jobs
 from redbatch.producer.errors import (
     DuplicateRequestId,
+    FunctionsMissing,
     QueueFull,
     RedisRefusedCall,
     RedisUnreachable,
@@ -70,10 +72,10 @@ from redbatch.producer.handles import AsyncJobHandle, JobHandle
 from redbatch.producer.readers import ReaderTasks, ReaderThreads
 from redbatch.producer.runners import AsyncInbox, AsyncRunner, BlockingRunner, SyncInbox, connected
 
-__all__ = ["AsyncClient", "AsyncJobHandle", "Client", "DuplicateRequestId", "JobCancelled",
-           "JobFailed", "JobHandle", "JobState", "JobStatus", "ProtocolError", "QueueFull",
-           "QueueState", "RedbatchError", "RedisRefusedCall", "RedisUnreachable", "Result",
-           "ResultTimeout", "ResultUnreadable", "WorkerRecord"]
+__all__ = ["AsyncClient", "AsyncJobHandle", "Client", "DuplicateRequestId", "FunctionsMissing",
+           "JobCancelled", "JobFailed", "JobHandle", "JobState", "JobStatus", "ProtocolError",
+           "QueueFull", "QueueState", "RedbatchError", "RedisRefusedCall", "RedisUnreachable",
+           "Result", "ResultTimeout", "ResultUnreadable", "WorkerRecord"]
 
 Result = ResultEnvelope
 #: How long a call that is no wait (submit, status, cancel, workers, ...) may go unanswered
@@ -99,10 +101,12 @@ class Client(ClientCore):
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, *, model: str = DEFAULT_MODEL,
                  prefix: str = DEFAULT_PREFIX,
                  max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                 redis_timeout_s: float = REDIS_TIMEOUT_S) -> None:
-        super().__init__(redis_url, model, prefix, max_payload_bytes)
+                 redis_timeout_s: float = REDIS_TIMEOUT_S,
+                 idempotency_window_s: float = IDEMPOTENCY_WINDOW_MS / 1000) -> None:
+        super().__init__(redis_url, model, prefix, max_payload_bytes, idempotency_window_s)
         settings = RedisSettings(url=redis_url, socket_timeout_s=redis_timeout_s)
         self.redis = connected(connect, settings)
+        self.one_slot_per_call = is_cluster(self.redis)
         self._run = BlockingRunner(self.redis).run
         self._readers = ReaderThreads(settings)
 
@@ -274,10 +278,12 @@ class AsyncClient(ClientCore):
     def __init__(self, redis_url: str = DEFAULT_REDIS_URL, *, model: str = DEFAULT_MODEL,
                  prefix: str = DEFAULT_PREFIX,
                  max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-                 redis_timeout_s: float = REDIS_TIMEOUT_S) -> None:
-        super().__init__(redis_url, model, prefix, max_payload_bytes)
+                 redis_timeout_s: float = REDIS_TIMEOUT_S,
+                 idempotency_window_s: float = IDEMPOTENCY_WINDOW_MS / 1000) -> None:
+        super().__init__(redis_url, model, prefix, max_payload_bytes, idempotency_window_s)
         settings = RedisSettings(url=redis_url, socket_timeout_s=redis_timeout_s)
         self.redis = connected(connect_async, settings)
+        self.one_slot_per_call = is_cluster(self.redis)
         self._run = AsyncRunner(self.redis).run
         self._readers = ReaderTasks(settings)
 

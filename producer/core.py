@@ -21,14 +21,13 @@ from typing import Any
 
 import redis
 from redbatch.common.protocol import (
-    CANCEL_SCRIPT,
     CANCELLED_REPLY,
     DUPLICATE_REPLY,
     FIELD_JOB,
+    IDEMPOTENCY_WINDOW_MS,
     MAX_ADMIT_JOBS,
     MAX_CONTENT_TYPE_BYTES,
     QUEUE_FULL_REPLY,
-    STATUS_SCRIPT,
     UNKNOWN_REPLY,
     JobEnvelope,
     JobState,
@@ -39,6 +38,7 @@ from redbatch.common.protocol import (
     WorkerRecord,
     candidate_partitions,
     error_reply_code,
+    idempotency_window_ms,
     job_status,
     new_request_id,
     owner_ttl_ms,
@@ -46,12 +46,13 @@ from redbatch.common.protocol import (
     parse_queue_bound,
     valid_request_id,
 )
+from redbatch.common.protocol.functions import CANCEL_FUNCTION, STATUS_FUNCTION
 from redbatch.common.protocol.payloads import encode_payload
 from redbatch.common.redis_io import error_code
 from redbatch.producer.calls import Arg, Command, Inbox, Pause, Pipelined, Script, Steps
 from redbatch.producer.errors import DuplicateRequestId, QueueFull, ResultTimeout, ResultUnreadable
 from redbatch.producer.replies import Gathering, ReplyWaits
-from redbatch.producer.wait import RECONNECT_PAUSE_S, reply_by
+from redbatch.producer.wait import RECONNECT_PAUSE_S, DoneMoves, reply_by
 
 PARTITIONS_REFRESH_S = 5.0
 """How long the client trusts the partition count it read (PROTOCOL.md "Partitions")."""
@@ -87,8 +88,12 @@ class ClientCore:
     """What the sync and async clients share: settings, keys, envelopes, and each
     operation as steps (the faces run them)."""
 
-    def __init__(self, redis_url: str, model: str, prefix: str, max_payload_bytes: int) -> None:
+    def __init__(self, redis_url: str, model: str, prefix: str, max_payload_bytes: int,
+                 idempotency_window_s: float = IDEMPOTENCY_WINDOW_MS / 1000) -> None:
         self.redis_url = redis_url
+        #: How long the id of a job without a deadline stays taken, ms (ValueError when
+        #: outside the bounds of ``idempotency_window_ms``).
+        self.idempotency_window_ms = idempotency_window_ms(idempotency_window_s)
         self.model = model
         self.prefix = prefix
         self.max_payload_bytes = max_payload_bytes
@@ -97,6 +102,11 @@ class ClientCore:
         #: The client's reply lists, by partition tag (``Keys.tag``: the model's name for
         #: partition 0), made at the first submit naming one.
         self.reply_waits: dict[str, ReplyWaits] = {}
+        #: Whether Redis is a cluster, where one call names keys of one slot only: the
+        #: admission call then names no other partition's owner keys (set by the face).
+        self.one_slot_per_call = False
+        #: Whether this client's user may BLMOVE a done list (its waits poll once refused).
+        self.moves = DoneMoves()
         #: Each model's partition history and when it was read (monotonic s).
         self._histories: dict[str, tuple[tuple[int, ...], float]] = {}
         #: Models whose partitions key held another type (warned once each).
@@ -253,7 +263,8 @@ class ClientCore:
 
     def _submit_jobs(self, jobs: Sequence[JobEnvelope]) -> Steps[list[str]]:
         """Queue jobs in one round trip: one admission call per lane (and MAX_ADMIT_JOBS
-        jobs), pipelined when there are several; returns the admitted request ids."""
+        jobs), pipelined when there are several; returns the admitted request ids. On a
+        cluster after a partition raise, one more round trip first (``_taken_elsewhere``)."""
         if not jobs:
             return []
         for model in dict.fromkeys(job.model for job in jobs):
@@ -261,19 +272,62 @@ class ClientCore:
         jobs = self._place(jobs)
         self._record(jobs)
         keys = [self._job_keys(job.model, job.request_id) for job in jobs]
-        groups = _admission_groups(jobs, [k.partition for k in keys])
-        calls = tuple(_admit(keys[group[0]], [jobs[i] for i in group]) for group in groups)
-        replies: list[object]
+        taken = yield from self._taken_elsewhere(jobs, keys)
+        groups = [kept for group in _admission_groups(jobs, [k.partition for k in keys])
+                  if (kept := [i for i in group if i not in taken])]
+        calls = tuple(_admit(keys[group[0]], [jobs[i] for i in group],
+                             self.idempotency_window_ms, self._earlier_owners(
+                                 keys[group[0]], [jobs[i] for i in group]))
+                      for group in groups)
+        replies: list[object] = []
         if len(calls) > 1:
             replies = yield Pipelined(calls, errors_as_replies=True)
-        else:  # alone, not in a pipeline: redis-py adds SCRIPT EXISTS to every pipeline
+        elif calls:  # alone, not in a pipeline: a pipeline of one costs more
             try:
                 replies = [(yield calls[0])]
             except redis.ResponseError as e:
                 replies = [e]
         per_job = _per_job(groups, replies, len(jobs))
+        for i in taken:
+            per_job[i] = redis.ResponseError(f"{DUPLICATE_REPLY} ?")
         self._refused(jobs, per_job)
         return _admitted(jobs, per_job)
+
+    def _elsewhere(self, keys: Keys, request_id: str) -> list[Keys]:
+        """The keys of the partitions other than ``keys``' that ``request_id`` may have
+        gone to under the model's history (an id taken under an older count is taken)."""
+        history = self._histories.get(keys.model, ((1,), 0.0))[0]
+        return [keys.part(q) for q in candidate_partitions(request_id, history)
+                if q != keys.partition]
+
+    def _earlier_owners(self, keys: Keys, jobs: Sequence[JobEnvelope]) -> list[str]:
+        """The jobs' owner keys elsewhere, for the admission call in ``keys``' partition
+        to check atomically; none on a cluster (other slots: see ``_taken_elsewhere``)."""
+        if self.one_slot_per_call:
+            return []
+        return [other.owner(job.request_id) for job in jobs
+                for other in self._elsewhere(keys, job.request_id)]
+
+    def _taken_elsewhere(self, jobs: Sequence[JobEnvelope],
+                         keys: Sequence[Keys]) -> Steps[set[int]]:
+        """On a cluster, the indexes of the jobs whose id has an owner in another partition
+        of the history: one MGET per such partition, in one pipeline, before the admission
+        calls (not atomic with them: PROTOCOL.md "Partitions"). Elsewhere none."""
+        if not self.one_slot_per_call:
+            return set()
+        asks: dict[str, tuple[Keys, list[int]]] = {}
+        for i, job in enumerate(jobs):
+            for other in self._elsewhere(keys[i], job.request_id):
+                asks.setdefault(other.tag, (other, []))[1].append(i)
+        if not asks:
+            return set()
+        found = yield Pipelined(tuple(Command(("MGET", *(part.owner(jobs[i].request_id)
+                                                          for i in indexes)))
+                                      for part, indexes in asks.values()),
+                                errors_as_replies=True)
+        return {i for (_, indexes), values in zip(asks.values(), found, strict=True)
+                if isinstance(values, list)
+                for i, value in zip(indexes, values, strict=True) if value is not None}
 
     def _set_queue_limit(self, lane: Lane | str, max_jobs: int | None,
                          model: str | None) -> Steps[None]:
@@ -344,7 +398,7 @@ class ClientCore:
         """The status script's answer in one partition."""
         call = Script([keys.result(request_id), keys.owner(request_id),
                        *(keys.stream(lane) for lane in Lane), keys.done(request_id)], [],
-                      STATUS_SCRIPT)
+                      STATUS_FUNCTION, read_only=True)
         try:
             reply = yield call
             return job_status(request_id, reply)
@@ -374,7 +428,7 @@ class ClientCore:
         marker = JobEnvelope(request_id=request_id, model=keys.model, payload=b"",
                              submitted_ms=int(time.time() * 1000), reply_to=reply_to)
         reply = yield Script([*(keys.stream(lane) for lane in Lane), keys.owner(request_id)],
-                             [request_id, marker.encode()[FIELD_JOB]], CANCEL_SCRIPT)
+                             [request_id, marker.encode()[FIELD_JOB]], CANCEL_FUNCTION)
         return (reply.decode() if isinstance(reply, bytes) else str(reply)).split(" ", 1)[0]
 
     def _gathering(self, request_ids: Sequence[str], timeout_s: float, model: str | None,
@@ -385,9 +439,11 @@ class ClientCore:
         waits = [w for w in self.reply_waits.values() if w.keys.model == name]
         history = self._histories.get(name, ((1,), 0.0))[0]
         keys = self.keys(name)
-        return Gathering(waits, lambda rid: [keys.part(p) for p in
-                                             candidate_partitions(rid, history)],
-                         request_ids, timeout_s, inbox, deadline)
+        gathering = Gathering(waits, lambda rid: [keys.part(p) for p in
+                                                  candidate_partitions(rid, history)],
+                              request_ids, timeout_s, inbox, deadline)
+        gathering.moves = self.moves
+        return gathering
 
 
 def admitted_jobs(jobs: Sequence[JobEnvelope], admitted: Sequence[str]) -> list[JobEnvelope]:
@@ -418,15 +474,19 @@ def _admission_groups(jobs: Sequence[JobEnvelope], parts: Sequence[int]) -> list
             for start in range(0, len(group), MAX_ADMIT_JOBS)]
 
 
-def _admit(keys: Keys, jobs: Sequence[JobEnvelope]) -> Script:
-    """The admission script's call for jobs of one lane: its stream, the limits hash and
-    each id's owner key; the lane, then each job's owner TTL, request id and envelope."""
+def _admit(keys: Keys, jobs: Sequence[JobEnvelope], window_ms: int = IDEMPOTENCY_WINDOW_MS,
+           earlier: Sequence[str] = ()) -> Script:
+    """The admission function's call for jobs of one lane: its stream, the limits hash,
+    each id's owner key and the ``earlier`` owner keys of the ids in other partitions; the
+    lane, then each job's owner TTL (the idempotency window ``window_ms`` for a job without
+    a deadline), request id and envelope."""
     lane = Lane(jobs[0].lane)
     args: list[Arg] = [lane.value]
     for job in jobs:
-        args += [owner_ttl_ms(job.budget_ms), job.request_id, job.encode()[FIELD_JOB]]
-    return Script([keys.stream(lane), keys.limits(), *(keys.owner(j.request_id) for j in jobs)],
-                 args)
+        args += [owner_ttl_ms(job.budget_ms, window_ms), job.request_id,
+                 job.encode()[FIELD_JOB]]
+    return Script([keys.stream(lane), keys.limits(), *(keys.owner(j.request_id) for j in jobs),
+                   *earlier], args)
 
 
 def _per_job(groups: Sequence[Sequence[int]], replies: Sequence[object],

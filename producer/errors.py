@@ -1,7 +1,8 @@
 """What the client raises: refusals at submit (QueueFull, DuplicateRequestId), the two
 ways a wait ends without a result (ResultTimeout, ResultUnreadable), and a call Redis did
 not answer (RedisUnreachable) or refused (RedisRefusedCall); with JobFailed (an error
-result, raised on request) and ProtocolError, all are RedbatchError, and each carries its
+result, raised on request), ProtocolError and FunctionsMissing (no function library
+on Redis), all are RedbatchError, and each carries its
 ``code``, a ``str``. No redis-py exception leaves the client (:func:`client_error`
 translates them where the faces run the calls, ``runners.py``).
 
@@ -127,3 +128,22 @@ class DuplicateRequestId(RedbatchError):
         self.message = (f"request id {duplicates[0]!r} is already in use"
                         + (f" (and {len(duplicates) - 1} more)" if len(duplicates) > 1 else ""))
         super().__init__(f"{self.code.value}: {self.message}")
+
+
+#: The code of FunctionsMissing: a client's code, never a worker's.
+FUNCTIONS_MISSING = "functions_missing"
+
+
+class FunctionsMissing(RedbatchError):
+    """Redis has no redbatch function library of this client's version (PROTOCOL.md "The
+    function library"), and this user may not load it: no worker has started on this
+    Redis yet, or the workers are of another version. Nothing was sent to any queue. Start
+    a worker, or load it with ``redbatch acl --apply`` (an admin's connection)."""
+
+    code = FUNCTIONS_MISSING
+
+    def __init__(self, function: str, why: str) -> None:
+        super().__init__(f"{FUNCTIONS_MISSING}: Redis has no function {function} and this "
+                         f"user may not load it ({why[:120]}); start a worker or run "
+                         "`redbatch acl --apply`")
+        self.function = function

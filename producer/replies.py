@@ -66,6 +66,7 @@ from redbatch.producer.wait import (
     POLL_S,
     RECONNECT_PAUSE_S,
     WAIT_SLICE_S,
+    DoneMoves,
     decode_result,
     reply_by,
     unreadable,
@@ -340,6 +341,8 @@ class Gathering:
         #: caller began (``deadline``, given).
         self.deadline = time.monotonic() + timeout_s if deadline is None else deadline
         self._inbox = inbox
+        #: The client's: whether its user may BLMOVE (set by the face, see wait.py).
+        self.moves = DoneMoves()
         #: The reply list each id awaited or read first was submitted naming.
         self._waits_of: dict[str, ReplyWaits] = {}
         pending: list[str] = []
@@ -376,7 +379,8 @@ class Gathering:
         if self._other:
             rid = self._other.popleft()
             keys = yield from self._locate(rid)
-            result = yield from wait_for_result(rid, keys, self.timeout_s, self.deadline)
+            result = yield from wait_for_result(rid, keys, self.timeout_s, self.deadline,
+                                                self.moves)
             return rid, result
         return None
 

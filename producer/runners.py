@@ -19,10 +19,10 @@ from typing import Any, TypeVar, cast
 import redis
 import redis.asyncio as aioredis
 from redbatch.common.config import RedisSettings
+from redbatch.common.protocol.functions import is_missing, load_library, load_library_async
 from redbatch.common.redis_io import node_client, refresh_slots
 from redbatch.producer.calls import Command, Outcome, Pause, Pipelined, Receive, Script, Step, Steps
-from redbatch.producer.errors import REDIS_PY_ERRORS, client_error
-from redis.exceptions import NoScriptError
+from redbatch.producer.errors import REDIS_PY_ERRORS, FunctionsMissing, client_error
 
 T = TypeVar("T")
 
@@ -63,6 +63,7 @@ class AsyncInbox:
             return None
 
 
+
 def connected(make: Callable[[RedisSettings], T], settings: RedisSettings) -> T:
     """``make(settings)``, a Redis client (a cluster client reads its slot map at once),
     with a Redis error raised as the client's own."""
@@ -89,7 +90,6 @@ class BlockingRunner:
 
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
-        self._scripts: dict[str, Any] = {}
 
     def run(self, steps: Steps[T]) -> T:
         """Drive ``steps`` to their end, running each step blocking; returns their value.
@@ -115,18 +115,23 @@ class BlockingRunner:
             return step.inbox.receive(step.due)
         if isinstance(step, Pipelined):
             replies = self._pipeline(step.calls)
-            if _no_script(replies):
-                _retried(step.calls, replies, self._load, self._pipeline)
+            if missing := _missing(replies):
+                self._load(step.calls[missing[0]])
+                _retried(step.calls, replies, missing, self._pipeline)
             return _raised(replies, step.errors_as_replies)
         if isinstance(step, Command) and step.due is not None:
             return self._call_by(step.due, *step.args)
         return self._alone(step)
 
     def _alone(self, call: Command | Script) -> Any:
-        """Send one call, not in a pipeline (a script loaded again on NOSCRIPT)."""
-        if isinstance(call, Script):
-            return self._script(call.text)(call.keys, call.args)
-        return self.redis.execute_command(*call.args)  # type: ignore[no-untyped-call]
+        """Send one call, not in a pipeline (a function's library loaded when missing)."""
+        try:
+            return self.redis.execute_command(*_args(call))  # type: ignore[no-untyped-call]
+        except redis.ResponseError as e:
+            if not (isinstance(call, Script) and is_missing(e)):
+                raise
+        self._load(call)
+        return self.redis.execute_command(*_args(call))  # type: ignore[no-untyped-call]
 
     def _pipeline(self, calls: Sequence[Command | Script]) -> list[Any]:
         """The replies of ``calls`` sent in one pipeline, errors as replies; on a cluster
@@ -139,19 +144,16 @@ class BlockingRunner:
                 return [e]
         pipe = self.redis.pipeline(transaction=False)
         for call in calls:
-            pipe.execute_command(*_args(call, self._script))  # type: ignore[no-untyped-call]
+            pipe.execute_command(*_args(call))  # type: ignore[no-untyped-call]
         return pipe.execute(raise_on_error=False)
 
-    def _script(self, text: str) -> Any:
-        """The registered script of ``text`` (registered once)."""
-        script = self._scripts.get(text)
-        if script is None:
-            script = self._scripts[text] = self.redis.register_script(text)
-        return script
-
-    def _load(self, text: str) -> None:
-        """Load a script into Redis (on a cluster, into every master)."""
-        self.redis.script_load(text)
+    def _load(self, call: Command | Script) -> None:
+        """Load the function library (on a cluster, into every master); FunctionsMissing
+        when this user may not."""
+        try:
+            load_library(self.redis)
+        except redis.ResponseError as e:  # NOPERM included
+            raise _no_library(call, e) from None
 
     def _call_by(self, by: float, *args: Any) -> Any:
         """Run one command on a pooled connection; its reply is due by ``by`` (monotonic s).
@@ -185,7 +187,6 @@ class AsyncRunner:
 
     def __init__(self, client: aioredis.Redis) -> None:
         self.redis = client
-        self._scripts: dict[str, Any] = {}
 
     async def run(self, steps: Steps[T]) -> T:
         """As :meth:`BlockingRunner.run`, awaiting each step."""
@@ -210,39 +211,45 @@ class AsyncRunner:
             return await step.inbox.receive(step.due)
         if isinstance(step, Pipelined):
             replies = await self._pipeline(step.calls)
-            if missing := _no_script(replies):  # as _retried, awaited
-                for text in dict.fromkeys(cast(Script, step.calls[i]).text for i in missing):
-                    await self.redis.script_load(text)
+            if missing := _missing(replies):  # as _retried, awaited
+                await self._load(step.calls[missing[0]])
                 again = await self._pipeline([step.calls[i] for i in missing])
                 for i, reply in zip(missing, again, strict=True):
                     replies[i] = reply
             return _raised(replies, step.errors_as_replies)
         if isinstance(step, Script):
-            return await self._script(step.text)(step.keys, step.args)
+            return await self._alone(step)
         return await self._call_by(step.due, *step.args)
+
+    async def _alone(self, call: Script) -> Any:
+        """Call one function, not in a pipeline (its library loaded when missing)."""
+        try:
+            return await self.redis.execute_command(*_args(call))  # type: ignore[no-untyped-call]
+        except redis.ResponseError as e:
+            if not is_missing(e):
+                raise
+        await self._load(call)
+        return await self.redis.execute_command(*_args(call))  # type: ignore[no-untyped-call]
+
+    async def _load(self, call: Command | Script) -> None:
+        """As :meth:`BlockingRunner._load`, awaited."""
+        try:
+            await load_library_async(self.redis)
+        except redis.ResponseError as e:
+            raise _no_library(call, e) from None
 
     async def _pipeline(self, calls: Sequence[Command | Script]) -> list[Any]:
         """As :meth:`BlockingRunner._pipeline`; on a cluster the nodes are sent their calls
         concurrently."""
         if len(calls) == 1:
-            call = calls[0]
             try:
-                if isinstance(call, Script):
-                    return [await self._script(call.text)(call.keys, call.args)]
-                return [await self.redis.execute_command(*call.args)]  # type: ignore[no-untyped-call]
+                return [await self.redis.execute_command(*_args(calls[0]))]  # type: ignore[no-untyped-call]
             except redis.ResponseError as e:
                 return [e]
         async with self.redis.pipeline(transaction=False) as pipe:
             for call in calls:
-                pipe.execute_command(*_args(call, self._script))
+                pipe.execute_command(*_args(call))
             return await pipe.execute(raise_on_error=False)
-
-    def _script(self, text: str) -> Any:
-        """The registered script of ``text`` (registered once)."""
-        script = self._scripts.get(text)
-        if script is None:
-            script = self._scripts[text] = self.redis.register_script(text)
-        return script
 
     async def _call_by(self, by: float | None, *args: Any) -> Any:
         """One command whose reply is due by ``by`` (monotonic s; None: the socket timeout
@@ -257,30 +264,31 @@ class AsyncRunner:
             raise redis.TimeoutError(f"no reply to {args[0]} in time") from e
 
 
-def _args(call: Command | Script, script_of: Callable[[str], Any]) -> tuple[Any, ...]:
-    """The command of ``call`` as sent: a script by its SHA1 (``EVALSHA``), so that a
-    pipeline holds scripts on a cluster too (redis-py's pipelines run scripts only on one
-    Redis, checking them first with a ``SCRIPT EXISTS`` of their own)."""
+def _args(call: Command | Script) -> tuple[Any, ...]:
+    """The command of ``call`` as sent: a function by its name (``FCALL`` or ``FCALL_RO``)."""
     if isinstance(call, Command):
         return call.args
-    return ("EVALSHA", script_of(call.text).sha, len(call.keys), *call.keys, *call.args)
+    return ("FCALL_RO" if call.read_only else "FCALL", call.function, len(call.keys),
+            *call.keys, *call.args)
 
 
-def _retried(calls: Sequence[Command | Script], replies: list[Any],
-             load: Callable[[str], None],
+def _retried(calls: Sequence[Command | Script], replies: list[Any], missing: list[int],
              pipeline: Callable[[Sequence[Command | Script]], list[Any]]) -> None:
-    """Load the scripts Redis did not know (NOSCRIPT: it ran nothing of them), then send
-    those calls again in one pipeline; their replies replace the NOSCRIPT ones."""
-    missing = _no_script(replies)
-    for text in dict.fromkeys(cast(Script, calls[i]).text for i in missing):
-        load(text)
+    """Send the ``missing`` calls (their function was not loaded: Redis ran nothing of
+    them) again in one pipeline, once the library is loaded; their replies replace the
+    error ones."""
     for i, reply in zip(missing, pipeline([calls[i] for i in missing]), strict=True):
         replies[i] = reply
 
 
-def _no_script(replies: list[Any]) -> list[int]:
-    """Indexes of the NOSCRIPT replies: scripts Redis did not know, and did not run."""
-    return [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+def _missing(replies: list[Any]) -> list[int]:
+    """Indexes of the replies saying the function called is not loaded (it ran nothing)."""
+    return [i for i, reply in enumerate(replies) if is_missing(reply)]
+
+
+def _no_library(call: Command | Script, e: redis.ResponseError) -> FunctionsMissing:
+    """The error for a library this user could not load (``e``: Redis's refusal)."""
+    return FunctionsMissing(call.function if isinstance(call, Script) else "?", str(e))
 
 
 def _raised(replies: list[Any], errors_as_replies: bool) -> list[Any]:

@@ -16,7 +16,9 @@ connection that drops loses nothing: the wait pauses, reconnects and GETs again.
 The wait honours its timeout whatever Redis does: every call has a due time (see
 :meth:`_Wait.reply_by`), so a Redis that is gone, restarting or hung ends it with
 ResultTimeout, about 0.2 s late at worst. A done key of another type (BLMOVE answers
-WRONGTYPE) does not end it either: from then on it polls the result key.
+WRONGTYPE), or a user who may not BLMOVE (a producer made by ``redbatch acl``: a move onto
+another id's done list would plant an answer) does not end it either: from then on it
+polls the result key and the done list's first element (LINDEX).
 
 This is the per-request path: a client waits this way for ids it did not submit naming
 its reply list; its own are awaited together on that list (see ``replies.py``), which
@@ -52,8 +54,17 @@ MIN_BLOCK_S = 0.01
 MIN_REPLY_S = 0.2
 
 
+@dataclass(slots=True)
+class DoneMoves:
+    """Whether this client's user may BLMOVE a done list onto itself; one per client, so
+    that after the first refusal (NOPERM) its waits poll without asking again."""
+
+    allowed: bool = True
+
+
 def wait_for_result(request_id: str, keys: Keys, timeout_s: float,
-                    deadline: float | None = None) -> Steps[ResultEnvelope]:
+                    deadline: float | None = None,
+                    moves: DoneMoves | None = None) -> Steps[ResultEnvelope]:
     """The steps of waiting ``timeout_s`` at most for the result of ``request_id``, or
     until ``deadline`` (monotonic s) when given (a wait that began earlier).
 
@@ -62,7 +73,8 @@ def wait_for_result(request_id: str, keys: Keys, timeout_s: float,
     envelope, and Redis errors other than a lost or late connection as they come.
     """
     due = time.monotonic() + timeout_s if deadline is None else deadline
-    wait = _Wait(request_id, keys, timeout_s, due)
+    moves = moves or DoneMoves()
+    wait = _Wait(request_id, keys, timeout_s, due, moves, moves.allowed)
     while True:
         try:
             data = yield from _get(wait)
@@ -78,6 +90,9 @@ def wait_for_result(request_id: str, keys: Keys, timeout_s: float,
                     # block. Poll the result key from now on.
                     wait.blocks = False
             else:
+                first = yield from _peek(wait)
+                if first is not None and (result := wait.token(first)) is not None:
+                    return result
                 yield Pause(wait.pause_s(POLL_S))
         except (redis.ConnectionError, redis.TimeoutError):
             # redis-py reconnects on the next call; pause_s raises ResultTimeout when due.
@@ -109,6 +124,15 @@ def _block(wait: _Wait) -> Steps[object]:
         wait.no_block(e)
         return None
     return reply
+
+
+def _peek(wait: _Wait) -> Steps[object]:
+    """The done list's first element, read without popping (LINDEX), while the wait polls:
+    a ``done_only`` answer has no result key. None when absent or unreadable."""
+    try:
+        return (yield Command(("LINDEX", wait.done_key, 0), wait.reply_by()))
+    except redis.ResponseError:
+        return None
 
 
 def reply_by(deadline: float, blocking_s: float = 0.0) -> float:
@@ -147,6 +171,7 @@ class _Wait:
     timeout_s: float
     deadline: float
     """Monotonic time the wait ends."""
+    moves: DoneMoves
     blocks: bool = True
     """False once BLMOVE on the done key failed (it holds another type): poll GET instead."""
     slice_s: float = FIRST_SLICE_S
@@ -199,6 +224,9 @@ class _Wait:
 
     def no_block(self, e: redis.ResponseError) -> None:
         """BLMOVE on the done key failed with ``e``: poll the result key from now on."""
-        logger.warning("cannot wait on %s (%s); polling %s every %g s instead", self.done_key,
+        log = logger.warning
+        if isinstance(e, redis.exceptions.NoPermissionError):
+            log, self.moves.allowed = logger.info, False
+        log("cannot wait on %s (%s); polling %s every %g s instead", self.done_key,
                        str(e)[:100], self.result_key, POLL_S)
         self.blocks = False

@@ -26,8 +26,23 @@ from conftest import SAMPLES, TEST_MODEL, settings_free_env
 from redbatch.cli import main
 from redbatch.cli.acl_rules import Role, build_user, server_version
 from redbatch.cli.redis_server import RedisServer
-from redbatch.common.protocol import ADMIT_SCRIPT, GROUP, ErrorCode, JobState, Keys, Lane
+from redbatch.common.protocol import (
+    ADMIT_SCRIPT,
+    GROUP,
+    ErrorCode,
+    JobState,
+    Keys,
+    Lane,
+    RedbatchError,
+)
+from redbatch.common.protocol.functions import (
+    ADMIT_FUNCTION,
+    LIBRARY,
+    LIBRARY_NAME,
+    load_library,
+)
 from redbatch.producer.client import Client
+from redbatch.producer.errors import FunctionsMissing
 from spawned_workers import spawned_workers
 
 ADMIN = "admin/p@ss"
@@ -127,10 +142,10 @@ def test_everything_documented_works_under_the_two_users(
         # Short leases: takeover, renewal and the departed-consumer script all run.
         worker, log = start(users["worker"], "--reclaim-idle-ms", "300")
         with Client(users["producer"]) as client:
-            ready_by = time.monotonic() + 20  # its first heartbeat may follow its joining
+            ready_by = time.monotonic() + 60  # its first heartbeat may follow its joining
             while not client.is_ready() and time.monotonic() < ready_by:
                 time.sleep(0.1)
-            assert [w.pid for w in client.workers()] == [worker.pid]
+            assert [w.pid for w in client.workers()] == [worker.pid], log.read_text()[-3000:]
             assert client.result(stranded, timeout_s=120).ok  # taken over from "gone"
             assert client.result(cancelled, timeout_s=120).error_code is ErrorCode.CANCELLED
             assert client.status(cancelled).state is JobState.CANCELLED
@@ -154,7 +169,11 @@ def test_everything_documented_works_under_the_two_users(
     text = log.read_text(errors="replace")
     assert "took over 1 jobs" in text and "removed departed consumers" in text
     assert "NOPERM" not in text
-    assert refusals(server) == [], "a command the roles send is missing from their rules"
+    # A client's first wait for an id it did not submit tries BLMOVE (not a producer's:
+    # issue 28, item 3), and polls from then on.
+    refused = [(e["username"], e["object"]) for e in refusals(server)]
+    assert set(refused) <= {("redbatch-producer", "blmove")}, \
+        f"a command the roles send is missing from their rules: {refused}"
 
 
 def nopermed(call: Callable[[], object]) -> bool:
@@ -195,12 +214,91 @@ def test_a_producer_may_not_answer_take_over_or_administer(
         "the admission script of another model": lambda: p.eval(
             ADMIT_SCRIPT, 3, THEIRS.stream(Lane.BULK), THEIRS.limits(), THEIRS.owner("x"),
             "bulk", 1000, "rid", "x", "job", b"x"),
+        "the admission function on another model": lambda: p.fcall(
+            ADMIT_FUNCTION, 3, THEIRS.stream(Lane.BULK), THEIRS.limits(), THEIRS.owner("x"),
+            "bulk", 1000, "x", b"x"),
+        # Issue 28, item 3: a done list moved onto another id's done list or result key
+        # would plant an answer there (the victim pops another job's envelope, or its
+        # answer is dead-lettered undeliverable).
+        "BLMOVE onto another id's done list": lambda: p.blmove(
+            KEYS.done("mine"), KEYS.done("victim"), 0.01),
+        "BLMOVE onto another id's result key": lambda: p.blmove(
+            KEYS.done("mine"), KEYS.result("victim"), 0.01),
+        "LMOVE from a reply list onto a done list": lambda: p.lmove(
+            KEYS.reply("mine"), KEYS.done("victim")),
+        "RPUSH owner": lambda: p.rpush(KEYS.owner("x"), b"1"),
         "FLUSHALL": p.flushall, "CONFIG": lambda: p.config_get("*"), "KEYS": lambda: p.keys(),
         "SCAN": lambda: p.scan(), "SCRIPT FLUSH": p.script_flush, "ACL": p.acl_list,
         "SUBSCRIBE": lambda: p.publish("x", "y"),
     }
     allowed = {name for name, call in forbidden.items() if not nopermed(call)}
     assert allowed == set()
+
+
+def test_a_producer_runs_no_lua_of_its_own(server: RedisServer, users: dict[str, str],
+                                           as_user: Callable[[str], redis.Redis]) -> None:
+    """Issue 28, item 1: EVAL (any Lua, a loop that holds every client at BUSY) and every
+    way to load or change code are refused; the producer calls the loaded functions only."""
+    admin = redis.Redis.from_url(server.url)
+    looping = redis.Redis.from_url(users["producer"], socket_timeout=5)
+    try:
+        assert nopermed(lambda: looping.eval("while true do end", 0))
+    finally:
+        looping.close()
+        try:
+            admin.script_kill()  # only if the loop ran: then this test has failed already
+        except redis.ResponseError:
+            pass  # NOTBUSY
+    p = as_user("producer")
+    forbidden: dict[str, Callable[[], object]] = {
+        "EVAL": lambda: p.eval("return 1", 0),
+        "EVALSHA": lambda: p.evalsha("0" * 40, 0),
+        "EVAL_RO": lambda: p.execute_command("EVAL_RO", "return 1", 0),
+        "SCRIPT LOAD": lambda: p.script_load("return 1"),
+        "FUNCTION LOAD": lambda: p.function_load(
+            "#!lua name=mine\nredis.register_function('mine', function() end)"),
+        "FUNCTION LOAD REPLACE of ours": lambda: p.function_load(LIBRARY, replace=True),
+        "FUNCTION DELETE": lambda: p.function_delete(LIBRARY_NAME),
+        "FUNCTION FLUSH": p.function_flush,
+        "FUNCTION RESTORE": lambda: p.function_restore(b"x"),
+        "FUNCTION DUMP": p.function_dump,
+    }
+    allowed = {name for name, call in forbidden.items() if not nopermed(call)}
+    assert allowed == set()
+    assert LIBRARY_NAME in {lib["library_name"] for lib in _libraries(admin)}
+
+
+def _libraries(admin: redis.Redis) -> list[dict[str, Any]]:
+    return [{(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes)
+                                                          else v)
+             for k, v in zip(lib[::2], lib[1::2], strict=True)}
+            for lib in admin.function_list()]
+
+
+def test_without_the_library_a_producer_gets_one_stable_error(
+        server: RedisServer, users: dict[str, str]) -> None:
+    """No worker has loaded the functions and the producer may not: FunctionsMissing (ours,
+    with its code), nothing queued; once an admin loads them, submit, status and cancel
+    work as the producer."""
+    admin = redis.Redis.from_url(server.url)
+    stream = KEYS.stream(Lane.INTERACTIVE)
+    before = admin.xlen(stream)
+    admin.function_delete(LIBRARY_NAME)
+    try:
+        with Client(users["producer"]) as client:
+            with pytest.raises(FunctionsMissing) as missing:
+                client.submit(b"x", timeout_s=5)
+            with pytest.raises(FunctionsMissing):
+                client.status("anything")
+        assert isinstance(missing.value, RedbatchError)
+        assert missing.value.code == "functions_missing" and "\n" not in str(missing.value)
+        assert admin.xlen(stream) == before
+    finally:
+        load_library(admin)
+    with Client(users["producer"]) as client:
+        job = client.submit(b"x", timeout_s=5)
+        assert job.status().state is JobState.QUEUED
+        assert job.cancel() and job.status().state is JobState.CANCELLED
 
 
 def test_a_worker_may_not_touch_another_model_or_administer(

@@ -473,3 +473,23 @@ def test_a_user_who_may_not_run_the_scripts_writes_adds_nothing(
         assert r.dbsize() == 0
     finally:
         r.acl_deluser(user)
+
+
+def test_the_idempotency_window_bounds_how_long_an_id_without_a_deadline_stays_taken(
+        redis_url: str, r: redis.Redis) -> None:
+    """Issue 28, item 12: a job without a deadline holds its id for the idempotency window
+    (one hour by default, PROTOCOL.md "Request ids are unique"), not a day; a client may
+    choose another window within the bounds, and a window outside them is a ValueError."""
+    keys = p.Keys(TEST_MODEL)
+    hour_ms = 3600 * 1000
+    with Client(redis_url) as client:
+        client.submit(b"x", request_id="no-deadline")
+        client.submit(b"x", request_id="with-deadline", timeout_s=30)
+    assert hour_ms - 60_000 < r.pttl(keys.owner("no-deadline")) <= hour_ms
+    assert 600_000 < r.pttl(keys.owner("with-deadline")) <= 630_000, "budget + 600 s, as ever"
+    with Client(redis_url, idempotency_window_s=300) as client:
+        client.submit(b"x", request_id="short-window")
+    assert 240_000 < r.pttl(keys.owner("short-window")) <= 300_000
+    for outside in (59, 7 * 24 * 3600 + 1, float("nan")):
+        with pytest.raises(ValueError, match="idempotency window"):
+            Client(redis_url, idempotency_window_s=outside)

@@ -29,6 +29,7 @@ from redbatch.common.protocol import (
     Lane,
     ReplyList,
 )
+from redbatch.common.protocol.functions import ADMIT_FUNCTION
 from redbatch.common.redis_io import connect, connect_async, is_cluster
 from redbatch.gpu_worker.streams.transaction import Commands
 from redbatch.producer.core import _admit
@@ -137,7 +138,7 @@ def test_every_multi_key_call_stays_in_one_slot(rc: redis.Redis) -> None:
                                                   p.ErrorCode.DEAD_LETTERED, "x", 1))
     jobs = [JobEnvelope(request_id=f"r{i}", model=keys.model, payload=b"x") for i in range(3)]
     admit = _admit(keys, jobs)
-    commands.execute_command("EVALSHA", "0" * 40, len(admit.keys), *admit.keys, *admit.args)
+    commands.execute_command("FCALL", ADMIT_FUNCTION, len(admit.keys), *admit.keys, *admit.args)
     slot = key_slot(keys.dlq().encode())
     assert {rc.determine_slot(*args) for args in commands.args} == {slot}  # type: ignore[attr-defined]
     all_keys = [*keys.streams(), keys.result("r"), keys.done("r"), keys.dlq(), keys.reply("c"),

@@ -23,6 +23,7 @@ from redbatch.cli.acl_rules import user_url
 from redbatch.cli.local_stack import count_consumers
 from redbatch.common import protocol as p
 from redbatch.common.protocol import AnswerKeys, DeadLetters, JobEnvelope, Keys, Lane, ReplyList
+from redbatch.common.protocol.functions import ADMIT_FUNCTION, LIBRARY, load_library
 from redbatch.common.redis_io import connect, refresh_slots
 from redbatch.gpu_worker.streams.transaction import Commands
 from redbatch.producer import core
@@ -59,7 +60,8 @@ def test_each_partitions_transactions_stay_in_its_slot(rc: redis.Redis) -> None:
         commands.execute_command("LPUSH", keys.recent(), b"x")
         jobs = [JobEnvelope(request_id=f"r{i}", model=MODEL, payload=b"x") for i in range(3)]
         admit = _admit(keys, jobs)
-        commands.execute_command("EVALSHA", "0" * 40, len(admit.keys), *admit.keys, *admit.args)
+        commands.execute_command("FCALL", ADMIT_FUNCTION, len(admit.keys), *admit.keys,
+                                 *admit.args)
         slot = key_slot(keys.stream(Lane.BULK).encode())
         assert {rc.determine_slot(*args) for args in commands.args} == {slot}  # type: ignore[attr-defined]
         slots.append(slot)
@@ -185,7 +187,7 @@ def test_a_cluster_job_costs_what_it_costs_on_one_redis_in_groups_per_partition(
     Redis (tests/test_redis_calls.py: four calls a job at most)."""
     n_jobs, count = 600, 6
     rc.eval(p.RAISE_PARTITIONS_SCRIPT, 1, Keys(MODEL).partitions(), count)
-    rc.script_load(p.ADMIT_SCRIPT)  # on every master: no NOSCRIPT retry in the count
+    load_library(rc)  # on every master: no load and resend in the count
     with spawned_workers(tmp_path) as start, Client(cluster.url, model=MODEL) as client:
         for node in cluster.live():
             redis.Redis(port=node.port).config_resetstat()
@@ -198,10 +200,11 @@ def test_a_cluster_job_costs_what_it_costs_on_one_redis_in_groups_per_partition(
     clock = sum(calls.get(name, 0) for name in (
         "config|resetstat", "info", "hello", "client|setinfo", "cluster|slots", "command",
         "zrange", "zadd", "zremrangebyscore", "xinfo|groups", "xinfo|consumers", "xlen",
-        "ping", "time", "xgroup|create", "xpending", "script|load", "lrange"))
+        "ping", "time", "xgroup|create", "xpending", "script|load", "function|load",
+        "lrange"))
     # The worker's departed-consumer script (reclaim.py) runs on the clock too: every
-    # EVALSHA but the admission calls (each reads its lane's bound: one HGET a call).
-    clock += calls.get("evalsha", 0) - calls.get("hget", 0)
+    # EVALSHA (the admission calls are FCALLs).
+    clock += calls.get("evalsha", 0)
     job_path = sum(calls.values()) - clock
     print(f"\ncluster, P = {count}: {job_path / n_jobs:.2f} calls a job without the clock's, "
           f"{sum(calls.values()) / n_jobs:.2f} in all: {calls}")
@@ -219,16 +222,32 @@ def test_a_cluster_job_costs_what_it_costs_on_one_redis_in_groups_per_partition(
     assert job_path <= 4 * n_jobs, calls
 
 
-def test_a_submission_loads_the_script_on_the_masters_that_lack_it_and_sends_those_again(
+def test_an_id_taken_under_an_older_count_is_refused_on_a_cluster_too(
         cluster: LocalCluster, rc: redis.Redis) -> None:
-    """One pipeline of admission calls over six partitions, the script known to one master
-    only: the masters without it answer NOSCRIPT (and ran nothing), the client loads it and
-    sends those calls again, and only those: every job queued once (a call sent twice
-    would have answered DUPLICATE_REQUEST_ID)."""
+    """Issue 28, item 9, where the id's older partition is on another master: the client
+    reads the owners there first (one MGET per partition), so a resubmit after P rose from
+    1 to 3 is refused DUPLICATE_REQUEST_ID and queues nothing."""
+    rid = next(f"dup-{i}" for i in range(1000) if p.partition_of(f"dup-{i}", 3) != 0)
+    moved = Keys(MODEL, partition=p.partition_of(rid, 3))
+    with Client(cluster.url, model=MODEL) as first:
+        first.submit_jobs([first.job(FOUR, request_id=rid)])
+    rc.eval(p.RAISE_PARTITIONS_SCRIPT, 1, Keys(MODEL).partitions(), 3)
+    with Client(cluster.url, model=MODEL) as again:
+        with pytest.raises(DuplicateRequestId):
+            again.submit_jobs([again.job(FOUR, request_id=rid)])
+    assert rc.xlen(moved.stream(Lane.INTERACTIVE)) == 0 and not rc.exists(moved.owner(rid))
+
+
+def test_a_submission_loads_the_library_on_the_masters_that_lack_it_and_sends_those_again(
+        cluster: LocalCluster, rc: redis.Redis) -> None:
+    """One pipeline of admission calls over six partitions, the function library on one
+    master only: the masters without it answer "Function not found" (and ran nothing), the
+    client loads it (on every master) and sends those calls again, and only those: every
+    job queued once (a call sent twice would have answered DUPLICATE_REQUEST_ID)."""
     rc.eval(p.RAISE_PARTITIONS_SCRIPT, 1, Keys(MODEL).partitions(), 6)
-    rc.script_flush()
+    rc.function_flush()
     knows = cluster.master_of(Keys(MODEL).stream(Lane.INTERACTIVE))
-    redis.Redis(port=knows.port).script_load(p.ADMIT_SCRIPT)
+    redis.Redis(port=knows.port).function_load(LIBRARY)
     with Client(cluster.url, model=MODEL) as client:
         ids = [h.request_id for h in client.submit_many([FOUR] * 120, timeout_s=60)]
     assert len(set(ids)) == 120

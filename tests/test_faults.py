@@ -21,7 +21,14 @@ import pytest
 import redis
 from audit import audit
 from conftest import SAMPLES, WorkerFactory
-from redbatch.common.protocol import GROUP, ErrorCode, Keys, ResultEnvelope, Status
+from redbatch.common.protocol import (
+    FIELD_ADMITTED,
+    GROUP,
+    ErrorCode,
+    Keys,
+    ResultEnvelope,
+    Status,
+)
 from redbatch.common.redis_io import StreamEntry
 from redbatch.producer.client import Client
 from redis.typing import EncodableT, FieldT
@@ -196,6 +203,14 @@ def test_duplicate_request_ids_are_refused_and_never_replace_the_first_result(
     # Both queued before any worker runs: the second (garbage) must not pre-empt the first.
     raw_xadd("twin", CAT)
     raw_xadd("twin", b"not an image, same id")
+    # A forged admission (issue 28, item 2): a plain XADD under a queued job's id, with the
+    # field only the admission function should write. The owner key names the first entry.
+    with Client(redis_url) as client:
+        client.submit(CAT, request_id="victim", timeout_s=60)
+    forged: dict[FieldT, EncodableT] = {
+        k: v for k, v in JobEnvelope("victim", keys.model, b"forged").encode().items()}
+    forged[FIELD_ADMITTED] = b"1"
+    r.xadd(keys.streams()[0], forged)
     start_worker()
     with Client(redis_url) as client:
         first = client.predict(CAT, request_id="same-id", timeout_s=60)
@@ -205,13 +220,15 @@ def test_duplicate_request_ids_are_refused_and_never_replace_the_first_result(
         assert "duplicate_request_id" in str(refused.value)
         raw_xadd("same-id", b"garbage after the first finished")
         deadline = time.monotonic() + 30
-        while r.xlen(keys.dlq()) < 2 and time.monotonic() < deadline:
+        while r.xlen(keys.dlq()) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert client.result("same-id", timeout_s=5) == first, "first result kept"
         assert client.result("twin", timeout_s=30).ok, "the first twin ran"
+        assert client.result("victim", timeout_s=30).ok, "the victim got its own answer"
     reasons = sorted((f[b"rid"], f[b"reason"].split(b":")[0]) for _, f in r.xrange(keys.dlq()))
-    assert reasons == [(b"same-id", b"duplicate_request_id"), (b"twin", b"duplicate_request_id")]
-    check_invariant(r, keys, {"same-id": None, "twin": None})
+    assert reasons == [(b"same-id", b"duplicate_request_id"), (b"twin", b"duplicate_request_id"),
+                       (b"victim", b"duplicate_request_id")]
+    check_invariant(r, keys, {"same-id": None, "twin": None, "victim": None})
 
 
 def test_a_failing_request_is_isolated_from_its_batch(redis_url: str, r: redis.Redis,

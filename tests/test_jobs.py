@@ -240,6 +240,33 @@ def test_the_cancel_script_checks_its_keys_and_replies_by_state(r: redis.Redis) 
     assert r.pttl(KEYS.owner("a")) == -1, "KEEPTTL: none before, none after"
 
 
+def test_an_owner_naming_an_entry_id_out_of_range_is_unknown_and_queues_nothing(
+        redis_url: str, r: redis.Redis) -> None:
+    """Issue 28, item 10: an owner key planted with an entry id no stream can hold (past
+    2^64 - 1). Cancel queues no cancel entry and says False, status says unknown (no raw
+    Redis error), and ``redbatch job`` prints its one JSON line, cancelling or not."""
+    import subprocess
+    import sys
+
+    huge = "99999999999999999999999-0"
+    with Client(redis_url, model=MODEL) as client:
+        client.submit(floats(1, 1, 1, 1), timeout_s=120)  # the lanes and the library exist
+        r.xgroup_create(KEYS.stream(Lane.INTERACTIVE), GROUP, id="0")
+        r.set(KEYS.owner("planted"), f"{huge} interactive")
+        before = r.xlen(KEYS.stream(Lane.INTERACTIVE))
+        assert client.cancel("planted") is False
+        assert r.xlen(KEYS.stream(Lane.INTERACTIVE)) == before, "no cancel entry queued"
+        assert client.status("planted").state is JobState.UNKNOWN
+    for extra in ((), ("--cancel",)):
+        proc = subprocess.run([sys.executable, "-m", "redbatch.cli", "job", "--redis",
+                               redis_url, "--model", MODEL, "planted", *extra],
+                              capture_output=True, text=True, timeout=60)
+        assert "Traceback" not in proc.stderr, proc.stderr
+        assert json.loads(proc.stdout)["state"] == "unknown", proc.stdout
+    assert r.xlen(KEYS.stream(Lane.INTERACTIVE)) == before
+    assert r.get(KEYS.owner("planted")) == f"{huge} interactive".encode()
+
+
 def test_status_of_a_job_whose_worker_is_slow_to_answer_is_running(
         redis_url: str, r: redis.Redis) -> None:
     """Between a worker's read and its answer the job is pending: RUNNING, delivered once;

@@ -238,7 +238,7 @@ def test_doc_gives_the_admission_call_line_of_the_code() -> None:
     for one job and for several, and the most jobs of a call is MAX_ADMIT_JOBS."""
     from redbatch.producer.core import _admit
 
-    line = re.search(r"^EVALSHA <sha1> <2 \+ N> (.*)$", DOC, re.M)
+    line = re.search(r"^FCALL redbatch_v1_admit <2 \+ N> (.*)$", DOC, re.M)
     assert line is not None, "the page's call line"
     assert line.group(1) == (
         "P:{M}:jobs:<lane> P:{M}:limits P:{M}:owner:<request id 1> ... "
@@ -258,18 +258,53 @@ def test_doc_gives_the_admission_call_line_of_the_code() -> None:
     text = " ".join(DOC.split())
     assert f"admits one job or many (up to {p.MAX_ADMIT_JOBS:,})" in text
     assert f"N from 1 to {p.MAX_ADMIT_JOBS:,}" in text
-    assert f"if n < 1 or n > {p.MAX_ADMIT_JOBS} or #ARGV ~= 1 + 3 * n then" in p.ADMIT_SCRIPT
+    assert f"if n < 1 or n > {p.MAX_ADMIT_JOBS} or n % 1 ~= 0 or #KEYS < 2 + n then" \
+        in p.ADMIT_SCRIPT
     # The revision the script names is the one the page describes as current.
     revision = re.search(r"\(revision (\d+):", p.ADMIT_SCRIPT.splitlines()[0])
     assert revision is not None and f"Revision {int(revision.group(1)) - 1} admitted" in text
 
 
+def page_library() -> str:
+    """The function library as the page gives it: its frame, each ``<the ... script>``
+    line replaced by that script's text from the page."""
+    frame = re.search(r"```lua\n(#!lua name=.*?)```", DOC, re.S)
+    assert frame is not None, "the page's library"
+    scripts = {m.group(1): m.group(0)[len("```lua\n"):-3] for m in re.finditer(
+        r"```lua\n-- redbatch (\w+) script.*?```", DOC, re.S)}
+    return re.sub(r"^<the (\w+) script>", lambda m: scripts[m.group(1)], frame.group(1),
+                  flags=re.M)
+
+
+def test_doc_gives_the_function_library_of_the_code() -> None:
+    """The page's library, assembled as it says, is the text workers load; its table
+    names each function with the call it takes (FCALL_RO for the one flagged no-writes)."""
+    from redbatch.common.protocol import functions as f
+
+    assert page_library() == f.LIBRARY
+    assert f.LIBRARY.startswith(f"#!lua name={f.LIBRARY_NAME}\n")
+    rows = {row[0]: row[1] for row in _table_rows("## The function library")}
+    assert rows == {f.ADMIT_FUNCTION: "`FCALL`",
+                    f.STATUS_FUNCTION: "`FCALL_RO` (flag `no-writes`: it writes nothing)",
+                    f.CANCEL_FUNCTION: "`FCALL`"}
+    assert f"`{f.MISSING_REPLY.join(['-ERR ', ''])}`" in DOC and "`functions_missing`" in DOC
+
+
+def _table_rows(heading: str) -> list[list[str]]:
+    """The rows of the tables under ``heading`` whose first cell is code, cell by cell
+    (the first without its backticks)."""
+    section = DOC.split(heading, 1)[1].split("\n## ", 1)[0]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split(" | ")]
+            for line in section.splitlines() if line.startswith("| `")]
+    return [[row[0].strip("`"), *row[1:]] for row in rows]
+
+
 def test_doc_gives_the_owner_ttl_formula_of_the_code() -> None:
     assert "`max(0, deadline_ms - submitted_ms) + 600000`" in DOC
-    assert "`86400000` for a job without one" in DOC
+    assert "`3600000` for a job without one" in DOC
     for budget in (-10**12, -1, 0, 1, 5000, 10**9):
         assert p.owner_ttl_ms(budget) == max(0, budget) + 600000 > 0
-    assert p.owner_ttl_ms(None) == 86400000
+    assert p.owner_ttl_ms(None) == 3600000 == p.IDEMPOTENCY_WINDOW_MS
     assert f"at most {p.MAX_OWNER_TTL_DIGITS} digits" in DOC
     assert len(str(p.owner_ttl_ms(10**12))) <= p.MAX_OWNER_TTL_DIGITS
 
@@ -429,10 +464,10 @@ def test_doc_gives_the_status_and_cancel_scripts_and_their_replies() -> None:
 
     for script in (p.STATUS_SCRIPT, p.CANCEL_SCRIPT):
         assert f"```lua\n{script}```" in DOC, script.splitlines()[0]
-    assert "EVALSHA <sha1> 5 P:{M}:result:ID P:{M}:owner:ID P:{M}:jobs:interactive " \
-           "P:{M}:jobs:bulk P:{M}:done:ID" in DOC
-    assert "EVALSHA <sha1> 3 P:{M}:jobs:interactive P:{M}:jobs:bulk P:{M}:owner:ID ID " \
-           "<msgpack job envelope>" in DOC
+    assert "FCALL_RO redbatch_v1_status 5 P:{M}:result:ID P:{M}:owner:ID " \
+           "P:{M}:jobs:interactive P:{M}:jobs:bulk P:{M}:done:ID" in DOC
+    assert "FCALL redbatch_v1_cancel 3 P:{M}:jobs:interactive P:{M}:jobs:bulk " \
+           "P:{M}:owner:ID ID <msgpack job envelope>" in DOC
     made = set(re.findall(r"return '([a-z]+)", p.CANCEL_SCRIPT))
     assert made == {p.CANCELLED_REPLY, p.TAKEN_REPLY, p.UNKNOWN_REPLY}
     cancel = DOC[DOC.index("## Cancelling a job"):DOC.index("## Dead letters")]

@@ -1,7 +1,8 @@
 """A client that follows PROTOCOL.md literally is right the first time.
 
 It speaks raw RESP over a socket (no redis-py, so no library strips or maps an error
-reply), takes the admission script (revision 3), its call line, the key patterns, the
+reply), takes the function library (assembled as the page says), the admission
+function's call line, the key patterns, the
 owner-TTL formula and the limits from PROTOCOL.md itself, builds calls of one job and of
 many from that line, and checks every reply exactly as the page's two reply tables say it
 arrives (the array of elements; the one error for a whole call), and that a refusal adds
@@ -12,7 +13,6 @@ describes.
 from __future__ import annotations
 
 import functools
-import hashlib
 import re
 import socket
 import time
@@ -65,9 +65,14 @@ def _found(pattern: str, text: str = TEXT, flags: int = re.M) -> str:
     return match.group(1) if match.groups() else match.group(0)
 
 
-SCRIPT = _found(r"```lua\n(.*?)```", DOC, re.S)
-SHA = hashlib.sha1(SCRIPT.encode()).hexdigest()
-CALL = _found(r"^EVALSHA <sha1> .*$", DOC)
+SCRIPTS = {m.group(1): m.group(0)[len("```lua\n"):-3] for m in re.finditer(
+    r"```lua\n-- redbatch (\w+) script.*?```", DOC, re.S)}
+#: The library: the page's frame, each ``<the ... script>`` line that script's text.
+LIBRARY = re.sub(r"^<the (\w+) script>", lambda m: SCRIPTS[m.group(1)],
+                 _found(r"```lua\n(#!lua name=.*?)```", DOC, re.S), flags=re.M)
+LIBRARY_NAME = _found(r"^#!lua name=(\S+)$", LIBRARY)
+CALL = _found(r"^FCALL \S+_admit .*$", DOC)
+FUNCTION = CALL.split()[1]
 KEY_PATTERNS = [row[0] for row in _page_table("## Keys")]
 TTL_PAD_MS = int(_found(r"`max\(0, deadline_ms - submitted_ms\) \+ (\d+)`"))
 NO_DEADLINE_TTL_MS = int(_found(r"`(\d+)` for a job without one"))
@@ -223,11 +228,11 @@ def call_words(n: int) -> list[str]:
 
 
 def call_line(jobs: Sequence[Job], lane: str) -> list[bytes]:
-    """The page's EVALSHA line for ``jobs`` of ``lane``, its placeholders filled in."""
+    """The page's FCALL line for ``jobs`` of ``lane``, its placeholders filled in."""
     def value(m: re.Match[str]) -> str:
         name = m.group(1)
-        if name in ("sha1", "lane"):
-            return SHA if name == "sha1" else lane
+        if name == "lane":
+            return lane
         if count := re.fullmatch(r"(\d+) \+ N", name):
             return str(int(count.group(1)) + len(jobs))
         if each := re.fullmatch(r"(request id|owner ttl ms) (\d+)", name):
@@ -251,18 +256,18 @@ def submit(resp: Resp, jobs: Sequence[Job], lane: str = "bulk") -> Any:
 def call_parts(jobs: Sequence[Job], lane: str = "bulk") -> tuple[list[bytes], list[bytes]]:
     """The keys and the arguments of the page's call line for ``jobs``."""
     words = call_line(jobs, lane)
-    assert words[:2] == [b"EVALSHA", SHA.encode()], words[:3]
+    assert words[:2] == [b"FCALL", FUNCTION.encode()], words[:3]
     n = int(words[2])
     return words[3:3 + n], words[3 + n:]
 
 
-def evalsha(resp: Resp, keys: Sequence[bytes], args: Sequence[bytes]) -> Any:
-    """A call of the script with these keys and arguments, well formed or not."""
-    return resp(b"EVALSHA", SHA, len(keys), *keys, *args)
+def fcall(resp: Resp, keys: Sequence[bytes], args: Sequence[bytes]) -> Any:
+    """A call of the function with these keys and arguments, well formed or not."""
+    return resp(b"FCALL", FUNCTION, len(keys), *keys, *args)
 
 
 def load(resp: Resp) -> None:
-    assert resp(b"SCRIPT", b"LOAD", SCRIPT) == SHA.encode()
+    assert resp(b"FUNCTION", b"LOAD", b"REPLACE", LIBRARY) == LIBRARY_NAME.encode()
 
 
 def written(resp: Resp) -> list[Any]:
@@ -288,12 +293,12 @@ def the_pages_entry(one: Job) -> dict[bytes, bytes]:
 
 def test_one_job_a_call_and_its_duplicate_arrive_as_the_page_says(resp: Resp) -> None:
     one = job("j1")
-    # Before SCRIPT LOAD: NOSCRIPT, and nothing added. (Other tests' clients loaded the
-    # script into this server; redis-py loads it again when it gets NOSCRIPT.)
-    assert resp(b"SCRIPT", b"FLUSH") == "OK"
+    # Before FUNCTION LOAD: not found, and nothing added. (Other tests' clients loaded the
+    # library into this server; the Python client loads it again when it is missing.)
+    resp(b"FUNCTION", b"DELETE", LIBRARY_NAME)
     before = written(resp)
     refused = submit(resp, [one])
-    assert isinstance(refused, Error) and refused.text.startswith("NOSCRIPT "), refused
+    assert refused == Error("ERR Function not found"), refused
     assert written(resp) == before
     load(resp)
 
@@ -434,7 +439,13 @@ def _bad_calls() -> dict[str, tuple[list[bytes], list[bytes], str]]:
         "one argument missing": (k, a[:-1], SHAPE),
         "one argument more": (k, [*a, b"x"], SHAPE),
         "a job's arguments without its owner key": (k[:-1], a, SHAPE),
-        "an owner key without its job's arguments": (k, a[:-3], SHAPE),
+        # Keys past the jobs' owners are owner keys of the call's ids in other partitions:
+        # job 2's owner key without job 2 is not one.
+        "an owner key without its job's arguments": (
+            k, a[:-3], f"KEYS[{len(k)}] is not an owner key of a job of the call"),
+        "an earlier owner key of another id": (
+            [*k, key("owner", "b3")], a,
+            f"KEYS[{len(k) + 1}] is not an owner key of a job of the call"),
         "revision 2's call of one job": (
             one_k, [one_a[0], one_a[1], b"rid", one_a[2], b"job", one_a[3]], SHAPE),
         "unknown lane": (k, [b"vip", *a[1:]], "unknown lane"),
@@ -471,7 +482,7 @@ def test_a_malformed_call_is_refused_as_a_whole_and_adds_nothing(resp: Resp,
     assert all(is_entry_id(e) for e in submit(resp, [job("b0")]))  # the stream exists
     call_keys, args, what = _bad_calls()[case]
     before = written(resp)
-    assert evalsha(resp, call_keys, args) == page_error(CALL_ERROR_FORMS, "BAD_CALL",
+    assert fcall(resp, call_keys, args) == page_error(CALL_ERROR_FORMS, "BAD_CALL",
                                                         what=what)
     assert written(resp) == before, "not even an entry added and taken out again"
     # Neither request id was taken: the two jobs, called right, are admitted.
@@ -517,8 +528,8 @@ def test_a_user_who_may_not_run_the_scripts_commands_is_refused_and_adds_nothing
         assert submit(user, [job("p1"), job("p2")]) == page_error(CALL_ERROR_FORMS, "NOPERM",
                                                                   what=what), rules
         assert written(resp) == before, rules
-    # Redis itself refuses a user who may not call EVALSHA: "-NOPERM from Redis itself".
-    user = acl_user("~*", "+@all", "-evalsha")
+    # Redis itself refuses a user who may not call FCALL: "-NOPERM from Redis itself".
+    user = acl_user("~*", "+@all", "-fcall")
     before = written(resp)
     refused = submit(user, [job("p1")])
     assert isinstance(refused, Error) and refused.text.startswith("NOPERM "), refused

@@ -17,12 +17,13 @@ MAX_ADMIT_JOBS = 1000
 """Most jobs one call of the admission script takes."""
 
 ADMIT_SCRIPT = f"""\
--- redbatch admission script, protocol 1 (revision 5: partition tags)
+-- redbatch admission script, protocol 1 (revision 6: earlier partitions' owners)
 -- KEYS: P:{{M}}:jobs:<lane>  P:{{M}}:limits  then P:{{M}}:owner:<request id> per job
+--       then any owner keys of the jobs' ids in other partitions (P:{{M#q}}:owner:<id>)
 -- ARGV: <lane>  then per job: <owner TTL ms>  <request id>  <msgpack job envelope>
 local function bad(why) return redis.error_reply('BAD_CALL ' .. why) end
-local n = #KEYS - 2
-if n < 1 or n > {MAX_ADMIT_JOBS} or #ARGV ~= 1 + 3 * n then
+local n = (#ARGV - 1) / 3
+if n < 1 or n > {MAX_ADMIT_JOBS} or n % 1 ~= 0 or #KEYS < 2 + n then
   return bad('expected 2 + N keys and 1 + 3N arguments, N from 1 to {MAX_ADMIT_JOBS}')
 end
 local lane = ARGV[1]
@@ -54,6 +55,18 @@ for i = 1, n do
     return redis.error_reply('NOPERM this user may not SET ' .. owner)
   end
 end
+local ids, earlier, head = {{}}, {{}}, prefix .. ':{{' .. model
+for i = 1, n do ids[ARGV[3 * i]] = true end
+for k = 3 + n, #KEYS do
+  local tail = KEYS[k]:sub(1, #head) == head and KEYS[k]:sub(#head + 1) or ''
+  local q, rid = tail:match('^#([1-9]%d*)}}:owner:(.+)$')
+  if not q then rid = tail:match('^}}:owner:(.+)$') end
+  if not (rid and ids[rid]) then
+    return bad('KEYS[' .. k .. '] is not an owner key of a job of the call')
+  end
+  local found = redis.pcall('GET', KEYS[k])
+  if found then earlier[rid] = type(found) == 'string' and found:match('^(%d+%-%d+)') or '?' end
+end
 local room, raw = n, redis.call('HGET', KEYS[2], lane)
 local bound = raw and raw:find('^%-?%d+%.?%d*$') and tonumber(raw)
 if bound then room = math.max(0, math.ceil(bound - redis.call('XLEN', KEYS[1]))) end
@@ -62,6 +75,8 @@ for i = 1, n do
   local owner = KEYS[2 + i]
   if room < 1 then
     replies[i] = {{err = 'QUEUE_FULL ' .. bound}}
+  elseif earlier[ARGV[3 * i]] then
+    replies[i] = {{err = 'DUPLICATE_REQUEST_ID ' .. earlier[ARGV[3 * i]]}}
   else
     local id = redis.call('XADD', KEYS[1], '*', 'rid', ARGV[3 * i], 'job', ARGV[3 * i + 1],
                           'adm', '1')
@@ -93,10 +108,24 @@ breaks an older client (entries without FIELD_ADMITTED are claimed by the worker
 
 OWNER_TTL_PAD_MS = 600_000
 """Added to a job's own time budget for its owner key's TTL at submit; a job with no
-deadline gets NO_DEADLINE_OWNER_TTL_MS. As long as the default result TTL (600 s), so the
-id stays taken at least as long as a result written within the budget can be read; its
-reader may free it sooner (OwnerKeys.free)."""
-NO_DEADLINE_OWNER_TTL_MS = 24 * 3600 * 1000
+deadline gets the idempotency window instead. As long as the default result TTL (600 s),
+so the id stays taken at least as long as a result written within the budget can be read;
+its reader may free it sooner (OwnerKeys.free)."""
+
+IDEMPOTENCY_WINDOW_MS = 3600 * 1000
+"""How long the request id of a job without a deadline stays taken, ms: the idempotency
+window (PROTOCOL.md "Request ids are unique"). A resubmit within it is refused
+DUPLICATE_REQUEST_ID; after it the id is free again. One hour: twelve times SQS FIFO's
+five-minute de-duplication window, room for a client's retries after a lost reply and
+for a bulk backlog to drain, and each key it holds (about 250 bytes) lives an hour, not a
+day: at 1,000 such jobs/s, 3.6 M keys (about 0.9 GiB) instead of 86 M. A client may pick
+another within the bounds below (``Client(idempotency_window_s=...)``)."""
+MIN_IDEMPOTENCY_WINDOW_MS = 60 * 1000
+"""Shortest idempotency window a client may choose: one minute."""
+MAX_IDEMPOTENCY_WINDOW_MS = 7 * 24 * 3600 * 1000
+"""Longest idempotency window a client may choose: a week."""
+NO_DEADLINE_OWNER_TTL_MS = IDEMPOTENCY_WINDOW_MS
+"""The owner TTL of a job without a deadline, ms (the default idempotency window)."""
 
 # NOTE [ Request id owners ]
 #   A request id names exactly one job: its result key is the only place a client looks.
@@ -108,10 +137,21 @@ NO_DEADLINE_OWNER_TTL_MS = 24 * 3600 * 1000
 #   over from a dead worker is the same entry, so it is not a duplicate.
 
 
-def owner_ttl_ms(budget_ms: int | None) -> int:
+def owner_ttl_ms(budget_ms: int | None, window_ms: int = IDEMPOTENCY_WINDOW_MS) -> int:
     """TTL of a request id's owner key at submit, ms: ``max(0, budget_ms) + 600,000``, or
-    86,400,000 without a deadline; always a positive integer, as the script requires."""
-    return NO_DEADLINE_OWNER_TTL_MS if budget_ms is None else max(0, budget_ms) + OWNER_TTL_PAD_MS
+    the idempotency window ``window_ms`` without a deadline; always a positive integer, as
+    the script requires."""
+    return window_ms if budget_ms is None else max(0, budget_ms) + OWNER_TTL_PAD_MS
+
+
+def idempotency_window_ms(seconds: float) -> int:
+    """An idempotency window of ``seconds``, in ms; ValueError outside one minute to a
+    week (MIN_/MAX_IDEMPOTENCY_WINDOW_MS)."""
+    if not MIN_IDEMPOTENCY_WINDOW_MS <= seconds * 1000 <= MAX_IDEMPOTENCY_WINDOW_MS:
+        raise ValueError(f"idempotency window of {seconds!r} s: choose "
+                         f"{MIN_IDEMPOTENCY_WINDOW_MS // 1000} s to "
+                         f"{MAX_IDEMPOTENCY_WINDOW_MS // 1000} s")
+    return int(seconds * 1000)
 
 
 QUEUE_FULL_REPLY = "QUEUE_FULL"

@@ -166,7 +166,7 @@ def _bytes(value: object) -> bytes:
 
 
 STATUS_SCRIPT = f"""\
--- redbatch status script, protocol 1 (revision 3: partition tags)
+-- redbatch status script, protocol 1 (revision 4: entry ids checked)
 -- KEYS: P:{{M}}:result:<request id>  P:{{M}}:owner:<request id>
 --       P:{{M}}:jobs:interactive  P:{{M}}:jobs:bulk  [P:{{M}}:done:<request id>]
 -- reply: result, owner, last-delivered-id, consumer, deliveries (nil when absent)
@@ -193,7 +193,10 @@ end
 local owner = redis.pcall('GET', KEYS[2])
 if type(owner) ~= 'string' then return {{false}} end
 local entry, lane = owner:match('^(%d+%-%d+) ?(%l*)')
-if not entry then return {{false}} end
+local function fits(n) return #n < 20 or (#n == 20 and n <= '18446744073709551615') end
+if not entry or not (fits(entry:match('^%d+')) and fits(entry:match('%d+$'))) then
+  return {{false}}
+end
 local stream = lane == 'bulk' and KEYS[4] or KEYS[3]
 local last, holder, deliveries = false, false, false
 local groups = redis.pcall('XINFO', 'GROUPS', stream)
@@ -232,7 +235,7 @@ find (never submitted, answered and expired, or an owner without a lane). Cancel
 job again replies ``cancelled`` with the same cancel entry, so a lost reply can be retried."""
 
 CANCEL_SCRIPT = f"""\
--- redbatch cancel script, protocol 1 (revision 2: partition tags)
+-- redbatch cancel script, protocol 1 (revision 3: entry ids checked)
 -- KEYS: P:{{M}}:jobs:interactive  P:{{M}}:jobs:bulk  P:{{M}}:owner:<request id>
 -- ARGV: <request id>  <msgpack job envelope of the cancel entry>
 local function bad(why) return redis.error_reply('BAD_CALL ' .. why) end
@@ -263,7 +266,10 @@ local done = owner:match('^(%d+%-%d+) interactive cancel$')
 if done then return 'cancelled ' .. done end
 local entry, lane = owner:match('^(%d+%-%d+) (%l+)$')
 local stream = ({{interactive = KEYS[1], bulk = KEYS[2]}})[lane or '']
-if not stream then return 'unknown' end
+local function fits(n) return #n < 20 or (#n == 20 and n <= '18446744073709551615') end
+if not stream or not (fits(entry:match('^%d+')) and fits(entry:match('%d+$'))) then
+  return 'unknown'
+end
 local function id(text)
   local ms, seq = text:match('^(%d+)%-(%d+)$')
   return tonumber(ms), tonumber(seq)

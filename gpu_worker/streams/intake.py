@@ -29,11 +29,11 @@ from redbatch.common.protocol import (
     JobEnvelope,
     Keys,
     Lane,
-    OwnerKeys,
     ProtocolError,
     valid_request_id,
 )
 from redbatch.common.redis_io import StreamEntry, error_code
+from redbatch.gpu_worker.streams.claims import Claim, rivals
 from redbatch.gpu_worker.streams.faults import StreamFaults
 from redbatch.gpu_worker.streams.partitions import PartitionSet, read_rounds
 from redbatch.gpu_worker.streams.reclaim import Reclaimer
@@ -299,24 +299,18 @@ class Intake:
     def _drop_duplicates(self, jobs: list[Job], bad: list[BadEntry],
                          raw: Mapping[bytes, Mapping[bytes, bytes]]) -> tuple[
             list[Job], list[BadEntry]]:
-        """Claim each request id for its entry; entries whose id another entry owns are
-        dead-lettered unanswered, with their fields as read (``raw``, by entry id; see
-        NOTE [ Request id owners ] in common/protocol/admission.py). Entries the admission
-        script added (FIELD_ADMITTED) were claimed by it: no command for them."""
+        """Entries whose request id another entry owns are dead-lettered unanswered, with
+        their fields as read (``raw``, by entry id; see NOTE [ Request id owners ] in
+        common/protocol/admission.py, and claims.py: FIELD_ADMITTED is checked against the
+        owner key, never trusted)."""
         every: list[Job | BadEntry] = [*jobs, *bad]
-        claims = [item for item in every if item.request_id is not None
-                  and FIELD_ADMITTED.encode() not in raw[item.entry_id]]
-        if not claims:
-            return jobs, bad
-        pipe = self._redis.pipeline(transaction=False)
-        for item in claims:
-            budget = item.envelope.budget_ms if isinstance(item, Job) else 0
-            assert item.request_id is not None
-            OwnerKeys(self._part_of[item.stream]).claim(
-                pipe, item.request_id, item.entry_id, self._lane_of[item.stream], budget)
+        items = [item for item in every if item.request_id is not None]
+        claims = [Claim(cast(str, item.request_id), item.entry_id, self._part_of[item.stream],
+                        self._lane_of[item.stream],
+                        item.envelope.budget_ms if isinstance(item, Job) else 0,
+                        FIELD_ADMITTED.encode() in raw[item.entry_id]) for item in items]
         duplicates: set[int] = set()
-        for item, reply in zip(claims, pipe.execute(raise_on_error=False), strict=True):
-            owner = OwnerKeys.rival(reply, item.entry_id)
+        for item, owner in zip(items, rivals(self._redis, claims), strict=True):
             if owner is not None:
                 duplicates.add(id(item))
                 bad.append(_duplicate(item, owner, raw[item.entry_id]))

@@ -4,14 +4,15 @@
 //   node submit.mjs REDIS_URL IMAGE_PATH [MODEL] [PREFIX]   submit one image, wait, print result
 //   node submit.mjs REDIS_URL TEXT.txt all_minilm_l6_v2      submit the file's text (UTF-8)
 //   node submit.mjs REDIS_URL --raw-garbage [MODEL] [PREFIX] submit a `job` that is not msgpack
-// Options, anywhere: --admit submits through the admission script, taken from PROTOCOL.md
-// itself, instead of a plain XADD; --rid=ID uses that request id instead of a fresh one;
+// Options, anywhere: --admit submits through the admission function of the page's function
+// library (FCALL; the library assembled from PROTOCOL.md itself and loaded when Redis lacks
+// it), instead of a plain XADD; --rid=ID uses that request id instead of a fresh one;
 // --done-only sets the envelope's done_only: the answer then lives in the done list alone,
 // awaited without popping (BLMOVE of the list onto itself) and read with LINDEX.
 //
 //   node submit.mjs REDIS_URL --status --rid=ID [MODEL] [PREFIX]  print where job ID is
 //   node submit.mjs REDIS_URL --cancel --rid=ID [MODEL] [PREFIX]  cancel job ID if queued
-// Both run the page's scripts ("Job status", "Cancelling a job") and print one line of JSON:
+// Both call the page's functions ("Job status", "Cancelling a job") and print one line of JSON:
 // {id, state, worker, deliveries, error_code} or {id, cancel, cancelled}.
 //
 // Prints one line of JSON: {id, status, label, error_code, result}, or, when the admission
@@ -62,13 +63,32 @@ const ownerKey = `${prefix}:{${model}}:owner:${rid}`;
 // Buffer <-> Uint8Array without copying; node-redis sends Buffer arguments as raw bytes.
 const asBuffer = (u8) => Buffer.from(u8.buffer, u8.byteOffset, u8.byteLength);
 
-// The page's scripts, each found by its first line.
+// The page's scripts, each found by its first line, and its function library: the frame
+// ("The function library"), each `<the NAME script>` line replaced by that script.
 const page = readFileSync(new URL('../../../PROTOCOL.md', import.meta.url), 'utf8');
+const blocks = [...page.matchAll(/```lua\n([\s\S]*?)```/g)].map((m) => m[1]);
 const pageScript = (name) => {
-  const found = [...page.matchAll(/```lua\n([\s\S]*?)```/g)].map((m) => m[1])
-    .find((text) => text.startsWith(`-- redbatch ${name} script`));
+  const found = blocks.find((text) => text.startsWith(`-- redbatch ${name} script`));
   if (!found) throw new Error(`PROTOCOL.md has no ${name} script`);
   return found;
+};
+const frame = blocks.find((text) => text.startsWith('#!lua name='));
+if (!frame) throw new Error('PROTOCOL.md has no function library');
+const library = frame.replace(/^<the (\w+) script>/gm, (_, name) => pageScript(name));
+const libraryName = /^#!lua name=(\S+)/.exec(library)[1];
+// FCALL (or FCALL_RO) of the library's function `name`; when Redis has no such function
+// ("Function not found": it ran nothing), load the library and call again.
+const fcall = async (conn, command, name, keys, args, options) => {
+  const send = () => conn.sendCommand([command, `${libraryName}_${name}`,
+    String(keys.length), ...keys, ...args], options);
+  try {
+    return await send();
+  } catch (err) {
+    if (!String(err.message).startsWith('Function not found')
+        && !String(err.message).startsWith('ERR Function not found')) throw err;
+    await conn.sendCommand(['FUNCTION', 'LOAD', 'REPLACE', library]);
+    return send();
+  }
 };
 
 if (lookup) {
@@ -84,13 +104,13 @@ if (lookup) {
     const marker = asBuffer(encode({ v: 1, model, payload: new Uint8Array(0),
       content_type: 'application/octet-stream', submitted_ms: Date.now(), deadline_ms: null,
       lane: 'interactive', params: {} }));
-    const reply = String(await conn.sendCommand(['EVAL', pageScript('cancel'), '3', ...lanes,
-      ownerKey, rid, marker], asBytes));
+    const reply = String(await fcall(conn, 'FCALL', 'cancel', [...lanes, ownerKey],
+      [rid, marker], asBytes));
     out = { id: rid, cancel: reply, cancelled: reply.split(' ')[0] === 'cancelled' };
   } else {
     // Five keys: the done list last, where a done-only job's answer lives.
-    const [result, owner, last, consumer, deliveries] = await conn.sendCommand(['EVAL',
-      pageScript('status'), '5', resultKey, ownerKey, ...lanes, doneKey], asBytes);
+    const [result, owner, last, consumer, deliveries] = await fcall(conn, 'FCALL_RO', 'status',
+      [resultKey, ownerKey, ...lanes, doneKey], [], asBytes);
     out = { id: rid, state: null, worker: null, deliveries: null, error_code: null };
     // The page's table, row by row.
     const entry = owner ? /^(\d+)-(\d+)/.exec(owner.toString()) : null;
@@ -146,11 +166,9 @@ await base.connect();
 const client = base.withTypeMapping({ [RESP_TYPES.BLOB_STRING]: Buffer });
 
 if (admit) {
-  // The admission script exactly as PROTOCOL.md gives it, called as the page says for a
-  // call of one job (N = 1): 2 + N keys (the lane's stream, the limits hash, the job's
-  // owner key) and 1 + 3N arguments (the lane, then the job's owner TTL, request id and
-  // envelope).
-  const script = pageScript('admission');
+  // The admission function, called as the page says for a call of one job (N = 1): 2 + N
+  // keys (the lane's stream, the limits hash, the job's owner key) and 1 + 3N arguments
+  // (the lane, then the job's owner TTL, request id and envelope).
   const ownerTtl = Math.max(0, deadline - submitted) + 600000;
   const refused = async (message) => {
     // Every error of the script is "CODE text": the code is the first word.
@@ -161,8 +179,8 @@ if (admit) {
   };
   let reply;
   try {
-    reply = await client.sendCommand(['EVAL', script, '3', streamKey, limitsKey, ownerKey,
-      'interactive', String(ownerTtl), rid, job]);
+    reply = await fcall(client, 'FCALL', 'admit', [streamKey, limitsKey, ownerKey],
+      ['interactive', String(ownerTtl), rid, job]);
   } catch (err) {
     await refused(err.message);         // an error for the whole call (BAD_CALL, NOPERM, ...)
   }
