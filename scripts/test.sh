@@ -6,18 +6,26 @@
 # processes (default 2, pytest-xdist, whole files to each: --dist loadfile keeps a module's
 # fixtures in one process, each with its own redis-server). The second runs the `serial` tests
 # (those that compare timings, or wait on two workers at once) in one process, alone, so that a
-# neighbour cannot fail them. REDBATCH_TEST_PROCS=0 runs everything in one process. Arguments
-# go to both passes; pytest's exit code 5 (nothing selected, e.g. `-k` matched only one pass)
-# counts as success.
+# neighbour cannot fail them. REDBATCH_TEST_PROCS=0 runs everything in one process.
+#
+# Tiers: the default leaves out the tests marked `full` (soak-like loops, and costly variants
+# of a behaviour another test covers); REDBATCH_TEST_TIER=full runs them too. Arguments go to
+# both passes; pytest's exit code 5 (nothing selected, e.g. `-k` matched only one pass) counts
+# as success.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/lint.sh
 procs="${REDBATCH_TEST_PROCS:-2}"
+if [ "${REDBATCH_TEST_TIER:-default}" = full ]; then
+  all="" parallel="not serial" alone="serial"
+else
+  all="not full" parallel="not full and not serial" alone="not full and serial"
+fi
 pytest=(.venv/bin/python -m pytest -q)
 if [ "$procs" = 0 ]; then
-  exec "${pytest[@]}" "$@"
+  exec "${pytest[@]}" -m "$all" "$@"
 fi
 pass() { "${pytest[@]}" "$@" || { rc=$?; [ "$rc" = 5 ] || return "$rc"; }; }
-pass -n "$procs" --dist loadfile -m "not serial" "$@"
-pass -p no:xdist -m serial "$@"
+pass -n "$procs" --dist loadfile -m "$parallel" "$@"
+pass -p no:xdist -m "$alone" "$@"

@@ -172,13 +172,13 @@ def test_a_bad_worker_name_is_one_line(redis_url: str) -> None:
 
 def test_a_refusal_from_redis_during_score_is_one_line(redis_url: str, r: object,
                                                        tmp_path: Path) -> None:
-    # A user Redis lets connect but not run the admission script (an ACL written by hand).
+    # A user Redis lets connect but not run the admission function (an ACL written by hand).
     import redis as redis_py
 
     admin = redis_py.Redis.from_url(redis_url)
     user = f"no-scripts-{uuid.uuid4().hex[:6]}"
     admin.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"],
-                      commands=["+@all", "-eval", "-evalsha"])
+                      commands=["+@all", "-fcall", "-fcall_ro", "-eval", "-evalsha"])
     try:
         url = redis_url.replace("redis://", f"redis://{user}:pw@")
         run = subprocess.run([sys.executable, "-m", "redbatch.cli", "score",

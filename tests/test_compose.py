@@ -291,7 +291,11 @@ def test_cluster_init_command_makes_a_cluster_once() -> None:
 
 #: The services run here: the cluster profile's worker is the GPU worker with another URL
 #: (test_cluster_worker_is_the_gpu_worker_on_the_cluster), served by no local cluster here.
-LIVE_SERVICES = [name for name in redbatch_services(load_compose()) if name != "worker-cluster"]
+#: The worker services run here as their containers would. worker-cpu in the default tier; the
+#: GPU service (the same command on CPU here) and the text one only in the full tier
+#: (REDBATCH_TEST_TIER=full scripts/test.sh): each start calibrates, half a minute of CPU.
+LIVE_SERVICES = [name if name == "worker-cpu" else pytest.param(name, marks=pytest.mark.full)
+                 for name in redbatch_services(load_compose()) if name != "worker-cluster"]
 
 
 def free_port() -> int:

@@ -148,6 +148,7 @@ def top1() -> Callable[[list[np.ndarray]], list[int]]:
     return classify
 
 
+@pytest.mark.full
 def test_draft_keeps_the_top_class_of_every_sample_photo(
         top1: Callable[[list[np.ndarray]], list[int]]) -> None:
     # Each sample photo, and the same picture as a 12 MP JPEG and MPO: the default model's

@@ -330,6 +330,7 @@ def test_a_result_written_but_never_acknowledged_is_not_answered_twice(
     check_invariant(r, keys, {"written-once": None})
 
 
+@pytest.mark.full
 def test_workers_sigkilled_at_random_moments_lose_and_duplicate_nothing(
         redis_url: str, r: redis.Redis, start_worker: WorkerFactory, tmp_path: Path) -> None:
     # With a null model the worker spends its time reading, writing and acknowledging, so
@@ -436,6 +437,7 @@ def test_a_hung_batch_makes_its_worker_exit_and_the_others_are_answered(
     check_invariant(r, keys, {hung: ErrorCode.DEAD_LETTERED, **dict.fromkeys(good)})
 
 
+@pytest.mark.full
 def test_connections_cut_again_and_again_lose_nothing(
         redis_url: str, r: redis.Redis, start_worker: WorkerFactory, keys: Keys) -> None:
     worker = start_worker()

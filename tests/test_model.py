@@ -253,6 +253,7 @@ def test_cpu_lanes_run_batches_at_once_and_keep_them_apart() -> None:
 
 
 @NEEDS_CXX
+@pytest.mark.full
 def test_compiled_lanes_compile_each_size_once_past_torchs_default_limit() -> None:
     # Two lanes meeting a new size at once used to compile it twice, and lane threads did
     # not see the raised recompile limit (torch keeps config per thread): after 8 graphs

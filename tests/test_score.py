@@ -444,6 +444,7 @@ def test_interrupted_run_resumes_without_duplicates_or_gaps(
 # ---------------------------------------------------------------------------- 4: scale
 
 
+@pytest.mark.full
 def test_ten_thousand_inputs_in_bounded_memory_leave_redis_empty(
         redis_url: str, r: redis.Redis, start_worker: WorkerFactory, tmp_path: Path) -> None:
     n = 10_000

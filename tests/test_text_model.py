@@ -234,7 +234,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("max_batch_tokens", [4096, 0])
+@pytest.mark.parametrize("max_batch_tokens", [4096, pytest.param(0, marks=pytest.mark.full)])
 def test_a_worker_batches_texts_by_length_unless_told_not_to(
         redis_url: str, start_worker: WorkerFactory, max_batch_tokens: int) -> None:
     # Four short texts and four long ones arrive together. By length (the default), each
