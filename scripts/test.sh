@@ -3,8 +3,9 @@
 # processes started by the fixtures. A lint or type finding fails before any test runs.
 #
 # Two passes. The first runs every test not marked `serial` in REDBATCH_TEST_PROCS pytest
-# processes (default 2, pytest-xdist, whole files to each: --dist loadfile keeps a module's
-# fixtures in one process, each with its own redis-server). The second runs the `serial` tests
+# processes (pytest-xdist; default 3 on two cores, as many tests wait on a timeout or a worker;
+# whole files to each: --dist loadfile keeps a module's fixtures in one process, each with its
+# own redis-server). The second runs the `serial` tests
 # (those that compare timings, or wait on two workers at once) in one process, alone, so that a
 # neighbour cannot fail them. REDBATCH_TEST_PROCS=0 runs everything in one process.
 #
@@ -16,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/lint.sh
-procs="${REDBATCH_TEST_PROCS:-2}"
+procs="${REDBATCH_TEST_PROCS:-3}"
 if [ "${REDBATCH_TEST_TIER:-default}" = full ]; then
   all="" parallel="not serial" alone="serial"
 else

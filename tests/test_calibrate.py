@@ -159,6 +159,7 @@ def test_a_worker_loads_the_profile_and_uses_its_max_batch(
     assert f"loaded profile {path}" in log and "max_batch=3" in log, log
 
 
+@pytest.mark.full
 def test_a_compiled_profile_is_served_from_a_package_built_once(
         start_worker: WorkerFactory, redis_url: str, tmp_path: Path) -> None:
     """A profile choosing channels_last+compile: the first worker builds the AOTInductor

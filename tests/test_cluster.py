@@ -233,6 +233,7 @@ def test_workers_wait_out_a_cluster_that_is_away(
             assert "Traceback" not in log.read_text(errors="replace"), log.read_text()[-3000:]
 
 
+@pytest.mark.full
 def test_a_failover_under_load_loses_no_accepted_job(
         cluster: LocalCluster, rc: redis.Redis, tmp_path: Path) -> None:
     """SIGKILL the master of the model's slot with jobs queued and more arriving: its replica

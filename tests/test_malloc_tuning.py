@@ -46,6 +46,7 @@ def faults_per_forward(env: dict[str, str]) -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
+@pytest.mark.full
 def test_one_arena_is_what_removes_the_faults_in_the_model_thread() -> None:
     # A 77 MB activation does not fit a thread arena's 64 MiB heap: without one arena it
     # is mapped and unmapped on every pass, whatever the thresholds.

@@ -556,6 +556,7 @@ def test_without_redis_an_interrupted_run_stops_its_private_stack(tmp_path: Path
 # ---------------------------------------------------------------------------- 7: two workers
 
 
+@pytest.mark.full
 def test_two_workers_share_one_run(redis_url: str, start_worker: WorkerFactory,
                                    tmp_path: Path) -> None:
     # The real model, so that neither worker alone keeps up with the scorer (a free worker
@@ -597,6 +598,7 @@ def test_the_last_progress_line_is_said_once_off_a_terminal_and_the_summary_coun
     assert "with 6.5 s of start-up" in stats.summary()
 
 
+@pytest.mark.full
 def test_without_redis_the_private_worker_loads_this_machines_profile(tmp_path: Path) -> None:
     """The private stack runs the tuned path when this machine has a profile (no hint);
     without one it says how to get it (--tune); --tune with --redis is a one-line error."""
