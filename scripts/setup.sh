@@ -21,7 +21,6 @@ stamp=.venv/.redbatch-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: creating .venv and installing redbatch[worker,test]" >&2
   [ -x .venv/bin/python ] || python3 -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip >&2
   # torch first, pinned to the CPU build; the package's own range (torch>=2.1) accepts it.
   # --no-compile: no .pyc for the thousands of modules nothing imports (about 20 s of CPU of a
   # fresh CI); those imported are compiled on first import, once.

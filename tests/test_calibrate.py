@@ -196,6 +196,7 @@ def test_a_compiled_profile_is_served_from_a_package_built_once(
     assert labels[0] == labels[1] and labels[0][0] in CAT_LABELS, labels
 
 
+@pytest.mark.full
 def test_calibrate_auto_measures_and_stores_a_profile(
         start_worker: WorkerFactory, r: redis.Redis, redis_url: str, tmp_path: Path) -> None:
     profiles = tmp_path / "auto-profiles"

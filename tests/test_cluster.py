@@ -58,6 +58,7 @@ def test_a_cluster_url_gives_cluster_clients(cluster: LocalCluster) -> None:
     plain.close()
 
 
+@pytest.mark.full
 def test_two_workers_answer_real_photos_and_status_sees_them(
         cluster: LocalCluster, rc: redis.Redis, tmp_path: Path) -> None:
     from redbatch.producer.client import Client

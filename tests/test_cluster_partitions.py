@@ -101,6 +101,7 @@ def test_three_partitions_on_a_cluster_two_workers_answer_every_job(
         assert all(rc.xlen(Keys(MODEL, partition=q).stream(lane)) == 0 for lane in Lane)
 
 
+@pytest.mark.full
 def test_raising_partitions_on_a_cluster_while_jobs_queue_and_come_loses_nothing(
         cluster: LocalCluster, rc: redis.Redis, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:

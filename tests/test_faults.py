@@ -417,6 +417,7 @@ def test_a_warm_up_that_never_returns_ends_the_worker_naming_the_stage(
     assert len(hung) == 1 and "warm-up at batch 1 (eager) did not return within 3 s" in hung[0]
 
 
+@pytest.mark.full
 def test_a_hung_batch_makes_its_worker_exit_and_the_others_are_answered(
         redis_url: str, r: redis.Redis, supervised: list[subprocess.Popen[bytes]],
         tmp_path: Path) -> None:

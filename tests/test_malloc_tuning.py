@@ -81,6 +81,7 @@ def _status_mib(pid: int, field: str) -> float:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
+@pytest.mark.full
 def test_a_huge_png_leaves_the_pool_small_and_the_worker_tuned(
         redis_url: str, start_worker: WorkerFactory) -> None:
     # Within the 64 M-pixel limit, 1.2 GiB at the peak of its decoding. The pool process

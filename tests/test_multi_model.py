@@ -221,6 +221,7 @@ def test_one_worker_serves_photos_and_sentences_with_the_reference_answers(
     assert all(r.xlen(s) == 0 for name in (IMAGE, TEXT) for s in Keys(name).streams())
 
 
+@pytest.mark.full
 def test_two_models_with_backlogs_share_the_device_as_they_go(
         redis_url: str, start_worker: WorkerFactory) -> None:
     # Both backlogs are queued before the worker starts. Served in fair turns, the text

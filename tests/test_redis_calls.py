@@ -161,9 +161,11 @@ def test_the_per_request_path_costs_a_token_and_one_wait_per_job_on_top(
     assert N_JOBS <= calls.get("pexpire", 0) <= N_JOBS + 10, calls
     assert calls.get("blpop", 0) <= N_JOBS + 5 and calls.get("get", 0) <= 5, calls
     # Two admission calls, three worker writes and one pop each; the groups' share (a
-    # read, a transaction, an acknowledgement per flush) on top.
+    # read and its owner check, one MGET a partition: PROTOCOL.md "Request ids are unique";
+    # a transaction, an acknowledgement per flush) on top, which moves with how the jobs fall
+    # into batches: 0.30 to 0.53 a job measured.
     assert own <= 6 + 0.1, calls
-    assert _job_path(calls) <= 6.5 * N_JOBS, calls
+    assert _job_path(calls) <= 6.6 * N_JOBS, calls
 
 
 def test_the_done_only_per_request_path_costs_at_most_six_calls_per_job(

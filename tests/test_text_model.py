@@ -270,6 +270,7 @@ def test_shapes_timed_at_start_stay_within_the_token_budget() -> None:
     assert shape_grid(1, 256, 100) == [(1, 16), (1, 64), (1, 256)]  # one row always runs
 
 
+@pytest.mark.full
 def test_a_calibrating_worker_times_text_shapes_and_serves(
         redis_url: str, start_worker: WorkerFactory, tmp_path: Path) -> None:
     # --calibrate auto: no profile for a text model, but its batcher's run-time line is
