@@ -65,7 +65,8 @@ def batching(b: BatchSettings, latency: LatencyEstimator, preferred_sizes: tuple
     the places kept for interactive ones (BatchSettings.interactive_reserve). A model whose
     inputs cost up to ``max_cost`` (its handler says so) gets length buckets and a token
     budget (a ShapedBatcher) unless ``max_batch_tokens`` is 0."""
-    capacity = Capacity(b.max_inflight, b.max_inflight - b.interactive_reserve)
+    capacity = Capacity(b.max_inflight, b.max_inflight - b.interactive_reserve,
+                        group=b.max_batch_size)
     lanes = LanePolicy(bulk_max_wait_s=b.bulk_max_wait_ms / 1000, bulk_share=b.bulk_share,
                        bulk_starve_s=b.bulk_starve_ms / 1000,
                        bulk_batch_budget_s=b.bulk_batch_ms / 1000 if b.bulk_batch_ms else None)
