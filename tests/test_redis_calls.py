@@ -163,7 +163,8 @@ def test_the_per_request_path_costs_a_token_and_one_wait_per_job_on_top(
     # Two admission calls, three worker writes and one pop each; the groups' share (a
     # read and its owner check, one MGET a partition: PROTOCOL.md "Request ids are unique";
     # a transaction, an acknowledgement per flush) on top, which moves with how the jobs fall
-    # into batches: 0.30 to 0.53 a job measured.
+    # into batches: 0.30 to 0.53 a job measured, and 0.62 on a loaded CI machine before reads
+    # waited for a group of places (NOTE [ Reading in groups ]); 0.26 after, loaded.
     assert own <= 6 + 0.1, calls
     assert _job_path(calls) <= 6.6 * N_JOBS, calls
 
