@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import math
-import multiprocessing as mp
 import re
 import shlex
 import shutil
@@ -61,7 +60,6 @@ import time
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
 from pathlib import Path
 
@@ -85,6 +83,7 @@ from harness import (
     tiny_jpegs,
     write_csv,
 )
+from producers import Producers, shares
 from redbatch.cli.redis_server import RedisServer
 from redbatch.gpu_worker.tuning.profile import load_profile
 
@@ -141,48 +140,6 @@ def collect(collector: Collector, inflight: set[str], counts: ctypes.Array[ctype
     counts[2 * index] += len(done) - failed
     counts[2 * index + 1] += failed
     return len(done)
-
-
-@dataclass(slots=True)
-class Producers:
-    """The producer processes and their shared counters."""
-
-    procs: list[BaseProcess]
-    counts: ctypes.Array[ctypes.c_longlong]
-    stop: Event
-
-    @classmethod
-    def start(cls, url: str, n: int, window: int, group: int) -> Producers:
-        ctx = mp.get_context("spawn")  # each builds its own client: nothing crosses a fork
-        counts = ctx.RawArray(ctypes.c_longlong, 2 * n)
-        stop = ctx.Event()
-        share = [window // n + (i < window % n) for i in range(n)]
-        procs: list[BaseProcess] = [
-            ctx.Process(target=produce, args=(url, i, share[i], group, counts, stop),
-                        name=f"producer-{i}", daemon=True) for i in range(n)]
-        for p in procs:
-            p.start()
-        return cls(procs, counts, stop)
-
-    def answered(self) -> tuple[int, int]:
-        """Jobs answered so far, and of them failed."""
-        values = list(self.counts)
-        return sum(values[0::2]), sum(values[1::2])
-
-    def psutil_procs(self) -> list[psutil.Process]:
-        return [psutil.Process(p.pid) for p in self.procs if p.pid is not None]
-
-    def close(self) -> None:
-        """Stop them once their jobs are answered; say so when one failed."""
-        self.stop.set()
-        for p in self.procs:
-            p.join(DRAIN_S + 10)
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-            if p.exitcode != 0:
-                print(f"WARNING: {p.name} exited with code {p.exitcode} (its traceback is "
-                      "above); the figures count only what it answered before")
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -310,11 +267,13 @@ def measure(args: argparse.Namespace) -> tuple[Measured, RedisRate | None, Start
         assert server.pid is not None
         worker = start_worker(server.url, MODEL, worker_args, "ceiling-worker.log")
         try:
-            producers = Producers.start(server.url, args.producers, args.window, args.group)
+            producers = Producers.start(produce, [
+                (server.url, i, share, args.group)
+                for i, share in enumerate(shares(args.window, args.producers))])
             try:
                 m = steady_phase(args, server, worker.pid, producers)
             finally:
-                producers.close()
+                producers.close(DRAIN_S)
         finally:
             worker.stop()
         bench = redis_benchmark(server.port)

@@ -21,11 +21,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import multiprocessing as mp
 import shlex
 import time
-from dataclasses import dataclass
-from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
@@ -45,6 +42,7 @@ from harness import (
     tensors,
     tiny_jpegs,
 )
+from producers import Producers, shares
 from redbatch.cli.redis_server import RedisServer
 from redbatch.common.config import model_name_from_spec
 
@@ -97,37 +95,6 @@ def produce(url: str, model: str, kind: str, index: int, window: int,
         target.close()
 
 
-@dataclass(slots=True)
-class Producers:
-    procs: list[BaseProcess]
-    counts: ctypes.Array[ctypes.c_longlong]
-    stop: Event
-
-    @classmethod
-    def start(cls, url: str, model: str, kind: str, n: int, window: int) -> Producers:
-        ctx = mp.get_context("spawn")  # each builds its own client: nothing crosses a fork
-        counts = ctx.RawArray(ctypes.c_longlong, 2 * n)
-        stop = ctx.Event()
-        procs: list[BaseProcess] = [
-            ctx.Process(target=produce, daemon=True, name=f"producer-{i}",
-                        args=(url, model, kind, i, max(1, window // n), counts, stop))
-            for i in range(n)]
-        for p in procs:
-            p.start()
-        return cls(procs, counts, stop)
-
-    def answered(self) -> tuple[int, int]:
-        values = list(self.counts)
-        return sum(values[0::2]), sum(values[1::2])
-
-    def close(self) -> None:
-        self.stop.set()
-        for p in self.procs:
-            p.join(DRAIN_S + 10)
-            if p.is_alive():
-                p.terminate()
-
-
 def cpu_s(p: psutil.Process, children: bool = False) -> float:
     try:
         procs = p.children(recursive=True) if children else [p]
@@ -150,7 +117,9 @@ def steady(args: argparse.Namespace, server: RedisServer, worker_pid: int,
     r = redis.Redis.from_url(server.url)
     assert server.pid is not None
     wproc, sproc = psutil.Process(worker_pid), psutil.Process(server.pid)
-    producers = Producers.start(server.url, model, args.payload, args.producers, args.window)
+    producers = Producers.start(produce, [
+        (server.url, model, args.payload, i, max(1, share))
+        for i, share in enumerate(shares(args.window, args.producers))])
     try:
         started = time.monotonic()  # spawned producers take seconds to import and connect
         while producers.answered()[0] < args.producers and time.monotonic() - started < 60:
@@ -164,7 +133,7 @@ def steady(args: argparse.Namespace, server: RedisServer, worker_pid: int,
             time.sleep(0.1)
         b = snapshot(r, producers, wproc, sproc)
     finally:
-        producers.close()
+        producers.close(DRAIN_S)
         r.close()
     jobs, span = max(1, b["jobs"] - a["jobs"]), b["at"] - a["at"]
     calls = commands_between(a["stats"], b["stats"])
