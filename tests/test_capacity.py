@@ -9,22 +9,14 @@ import time
 from redbatch.gpu_worker.batching.capacity import Capacity
 
 
-def _later(delay_s: float, fn: object, *args: int) -> threading.Thread:
-    def run() -> None:
-        time.sleep(delay_s)
-        fn(*args)  # type: ignore[operator]
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
-
-
 def test_a_busy_worker_waits_for_a_group_of_places_before_reading() -> None:
     capacity = Capacity(16, group=4)
     assert capacity.take_up_to(13, timeout_s=0) == 13  # 13 held: over two groups
     capacity.give_back(1)
-    thread = _later(0.05, capacity.give_back, 3)
+    later = threading.Timer(0.05, capacity.give_back, (3,))
+    later.start()
     assert capacity.take_up_to(16, timeout_s=1, group_wait_s=30) == 4
-    thread.join()
+    later.join()
 
 
 def test_the_wait_for_a_group_is_bounded() -> None:
