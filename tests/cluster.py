@@ -19,10 +19,14 @@ import time
 from types import TracebackType
 
 import redis
-from redbatch.cli.redis_server import RedisServer, RedisServerError
+from redbatch.cli.redis_server import PortTaken, RedisServer, RedisServerError
 
-#: Cluster bus ports are the client port + 10000, so the client ports stay below this.
-_PORT_RANGE = (20_000, 50_000)
+#: Client ports, and their cluster bus ports (+10000), stay below the kernel's ephemeral range
+#: (32768 up): a port picked there can be handed to some test's outgoing connection between
+#: the check and redis-server's bind (a CI run failed so).
+_PORT_RANGE = (10_000, 22_000)
+#: Tries for a node whose port is taken by the time it binds: each gets a new port pair.
+_NODE_ATTEMPTS = 5
 
 
 def _bindable(port: int) -> bool:
@@ -79,6 +83,11 @@ class LocalCluster:
         """Every node, each on its own: no cluster yet (``redis-cli --cluster create``)."""
         taken: set[int] = set()
         for _ in range(self.masters * (1 + self.replicas)):
+            self.nodes.append(self._start_node(taken))
+
+    def _start_node(self, taken: set[int]) -> RedisServer:
+        """One node on a free port pair; another pair when the port is taken meanwhile."""
+        for attempt in range(_NODE_ATTEMPTS):
             port = free_cluster_port(taken)
             taken.add(port)
             node = RedisServer(port=port, extra_args=[
@@ -86,8 +95,13 @@ class LocalCluster:
                 "--cluster-node-timeout", str(self.node_timeout_ms),
                 "--repl-diskless-sync-delay", "0", "--repl-ping-replica-period", "1",
                 *self.extra_args])
-            self.nodes.append(node)
-            node.start()
+            try:
+                return node.start()
+            except PortTaken:
+                node.stop()
+                if attempt == _NODE_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def wait_ok(self, timeout_s: float, nodes: list[RedisServer] | None = None) -> None:
         """Until every (live) node says cluster_state:ok and sees every master with its
