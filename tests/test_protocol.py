@@ -496,6 +496,34 @@ def test_recent_records_packed_in_groups_are_byte_for_byte_the_single_ones(
         p.RecentResult.pack(finished_ms, *answer) for answer in answers]
 
 
+_OUTPUTS = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text()
+    | st.binary(),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(), inner, max_size=5),
+    max_leaves=10)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(min_value=0, max_value=2**16), st.text(), st.text(),
+       st.integers(min_value=0, max_value=2**63 - 1),
+       st.lists(st.tuples(st.text(min_size=1), _OUTPUTS,
+                          st.dictionaries(st.sampled_from(p.TIMING_NAMES), st.floats())),
+                max_size=4))
+def test_a_batchs_ok_results_are_byte_for_byte_the_single_ones(
+        batch_size: int, worker: str, model: str, finished_ms: int,
+        answers: list[tuple[str, object, dict[str, float]]]) -> None:
+    """The worker encodes a batch's ok results with ok_encoder (NOTE [ Ok results of a
+    batch ]); clients decode them as any result: the bytes must be the same, and an output
+    msgpack cannot carry raises without spoiling the answers after it."""
+    encode = p.ResultEnvelope.ok_encoder(batch_size, worker, model, finished_ms)
+    for request_id, output, timings in answers:
+        with pytest.raises(TypeError):
+            encode(request_id, {"x": object()}, timings)
+        assert encode(request_id, output, timings) == p.ResultEnvelope(
+            request_id, p.Status.OK, output, timings=timings, batch_size=batch_size,
+            worker=worker, model=model, finished_ms=finished_ms).encode()
+
+
 @pytest.mark.parametrize("missing", ["v", "model", "payload", "content_type", "submitted_ms",
                                      "deadline_ms", "lane", "params"])
 def test_an_envelope_missing_any_field_is_a_bad_envelope(missing: str) -> None:

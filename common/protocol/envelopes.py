@@ -8,7 +8,7 @@ stable :class:`ErrorCode`; they never evaluate, import or unpickle anything.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -274,6 +274,16 @@ def _check_params(params: dict[Any, Any]) -> dict[str, Any]:
 TIMING_NAMES = ("queue_ms", "preprocess_ms", "batch_wait_ms", "inference_ms", "total_ms")
 
 
+# NOTE [ Ok results of a batch ]
+# The answers to one batch share all but three of their ten fields (version, status, no
+# error, batch size, worker, model, finish time), so ResultEnvelope.ok_encoder packs those
+# once and each answer packs only its id, output and timings, joined between them: the
+# bytes _pack_result makes (a map of the same ten keys in the same order; a test holds
+# them equal), at about a third of the CPU of packing each whole map. Its Packer belongs
+# to the one batch (a Packer is not shared between threads); one that raises on an output
+# msgpack cannot carry starts empty again on the next call.
+
+
 def _pack_result(version: int, request_id: str, status: str, output: Any,
                  error: dict[str, str] | None, timings: dict[str, float], batch_size: int,
                  worker: str, model: str, finished_ms: int) -> bytes:
@@ -331,6 +341,25 @@ class ResultEnvelope:
         without the object: a worker encodes every ok answer this way."""
         return _pack_result(PROTOCOL_VERSION, request_id, Status.OK.value, output, None, timings,
                             batch_size, worker, model, finished_ms)
+
+    @staticmethod
+    def ok_encoder(batch_size: int, worker: str, model: str,
+                   finished_ms: int) -> Callable[[str, Any, dict[str, float]], bytes]:
+        """``encode_ok`` for one batch's answers: ``encode(request_id, output, timings)``
+        returns the same bytes (NOTE [ Ok results of a batch ])."""
+        packer = msgpack.Packer(use_bin_type=True)
+        pack = packer.pack
+        head = b"\x8a" + pack("v") + pack(PROTOCOL_VERSION) + pack("id")
+        middle = pack("status") + pack(Status.OK.value) + pack("output")
+        before_timings = pack("error") + pack(None) + pack("timings")
+        tail = (pack("batch_size") + pack(batch_size) + pack("worker") + pack(worker)
+                + pack("model") + pack(model) + pack("finished_ms") + pack(finished_ms))
+
+        def encode(request_id: str, output: Any, timings: dict[str, float]) -> bytes:
+            return b"".join((head, pack(request_id), middle, pack(output), before_timings,
+                             pack(timings), tail))
+
+        return encode
 
     @classmethod
     def decode(cls, data: bytes, max_bytes: int = MAX_RESULT_BYTES) -> ResultEnvelope:
