@@ -303,12 +303,20 @@ class Intake:
         their fields as read (``raw``, by entry id; see NOTE [ Request id owners ] in
         common/protocol/admission.py, and claims.py: FIELD_ADMITTED is checked against the
         owner key, never trusted)."""
-        every: list[Job | BadEntry] = [*jobs, *bad]
-        items = [item for item in every if item.request_id is not None]
-        claims = [Claim(cast(str, item.request_id), item.entry_id, self._part_of[item.stream],
-                        self._lane_of[item.stream],
-                        item.envelope.budget_ms if isinstance(item, Job) else 0,
-                        FIELD_ADMITTED.encode() in raw[item.entry_id]) for item in items]
+        part_of, lane_of = self._part_of, self._lane_of
+        items: list[Job | BadEntry] = []
+        claims: list[Claim] = []
+        for job in jobs:
+            env = job.envelope
+            items.append(job)
+            claims.append(Claim(env.request_id, job.entry_id, part_of[job.stream],
+                                lane_of[job.stream], env.budget_ms,
+                                _ADMITTED in raw[job.entry_id]))
+        for entry in bad:
+            if entry.request_id is not None:
+                items.append(entry)
+                claims.append(Claim(entry.request_id, entry.entry_id, part_of[entry.stream],
+                                    lane_of[entry.stream], 0, _ADMITTED in raw[entry.entry_id]))
         duplicates: set[int] = set()
         for item, owner in zip(items, rivals(self._redis, claims), strict=True):
             if owner is not None:
@@ -492,6 +500,7 @@ class Intake:
 
 
 _CANCEL = FIELD_CANCEL.encode()
+_ADMITTED = FIELD_ADMITTED.encode()
 
 
 def _entries(reply: Any, **options: Any) -> list[tuple[str, StreamEntry]]:
