@@ -19,8 +19,10 @@ from redbatch.common.protocol import Keys
 
 ACL_PASSWORD_HINT = ("--apply shows no password: give --producer-password and "
                      "--worker-password (or REDBATCH_ACL_PRODUCER_PASSWORD and "
-                     "REDBATCH_ACL_WORKER_PASSWORD)")
+                     "REDBATCH_ACL_WORKER_PASSWORD; --tenant-password for a tenant)")
 ROLES = tuple(role.value for role in rules.Role)
+#: The roles made when no --role is given; a tenant's user only when asked for.
+DEFAULT_ROLES = (rules.Role.PRODUCER.value, rules.Role.WORKER.value)
 
 
 @click.command()
@@ -29,7 +31,14 @@ ROLES = tuple(role.value for role in rules.Role)
               help="Served model name the users are for (repeatable).")
 @o.PREFIX()
 @click.option("--role", "roles", multiple=True, type=click.Choice(ROLES),
-              help="Which users to make (repeatable) [default: both].")
+              help="Which users to make (repeatable) [default: producer and worker]; "
+                   "tenant: a gateway's producer for --tenant (docs/gateway.md).")
+@o.opt("--tenant", env="ACL_TENANT", default=None,
+       help="The gateway tenant of --role tenant: its request ids begin with NAME:.")
+@o.opt("--tenant-user", env="ACL_TENANT_USER", default=None,
+       help="User name of the tenant's producer [default: redbatch-tenant-NAME].")
+@o.opt("--tenant-password", env="ACL_TENANT_PASSWORD", default=None,
+       help="The tenant user's password; default: a random one, shown once.")
 @o.opt("--producer-user", env="ACL_PRODUCER_USER", default="redbatch-producer",
        help="User name of the producer.")
 @o.opt("--worker-user", env="ACL_WORKER_USER", default="redbatch-worker",
@@ -47,7 +56,7 @@ ROLES = tuple(role.value for role in rules.Role)
 @o.REDIS(help="Admin URL of the Redis the users are for: needed by --apply; without it the "
               "rules are for Redis 7.2 or later, and the printed URLs name localhost.")
 def acl(models: tuple[str, ...], prefix: str, roles: tuple[str, ...], fmt: str, apply_: bool,
-        redis_url: str | None, **names: str | None) -> None:
+        redis_url: str | None, tenant: str | None, **names: str | None) -> None:
     """Print (or --apply) least-privilege Redis ACL users for producers and workers.
 
     A producer may submit jobs and read, await and delete results of the --model(s) and
@@ -58,7 +67,10 @@ def acl(models: tuple[str, ...], prefix: str, roles: tuple[str, ...], fmt: str, 
     """
     if apply_ and not redis_url:
         raise click.UsageError("--apply needs --redis: an admin user's URL")
-    wanted = [rules.Role(role) for role in dict.fromkeys(roles or ROLES)]
+    wanted = [rules.Role(role) for role in dict.fromkeys(roles or DEFAULT_ROLES)]
+    if rules.Role.TENANT in wanted and not tenant:
+        raise click.UsageError("--role tenant needs --tenant NAME")
+    names["tenant_user"] = names["tenant_user"] or f"redbatch-tenant-{tenant}"
     given = {role: names[f"{role.value}_password"] for role in wanted}
     if apply_ and None in given.values():
         raise click.UsageError(ACL_PASSWORD_HINT)
@@ -68,7 +80,7 @@ def acl(models: tuple[str, ...], prefix: str, roles: tuple[str, ...], fmt: str, 
         version = rules.server_version(admin) if admin else rules.SETINFO_SINCE
         keys = [Keys(model, prefix) for model in dict.fromkeys(models)]
         users = [rules.build_user(str(names[f"{role.value}_user"]), role, passwords[role],
-                                  keys, version) for role in wanted]
+                                  keys, version, tenant) for role in wanted]
         if admin is not None and apply_:
             rules.load_functions(admin)
         for user in users:

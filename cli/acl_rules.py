@@ -53,6 +53,7 @@ import redis
 from redbatch.common.config import DEFAULT_REDIS_URL
 from redbatch.common.protocol import PARTITION_SEP, Keys, Lane
 from redbatch.common.protocol.functions import load_library
+from redbatch.common.protocol.tenants import load_tenants_library, tenant_name, tenant_request_id
 from redbatch.common.redis_io import is_cluster
 from redis.cluster import RedisCluster
 
@@ -78,6 +79,9 @@ _USER_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 class Role(StrEnum):
     PRODUCER = "producer"
     WORKER = "worker"
+    TENANT = "tenant"
+    """A gateway's producer for one tenant (docs/gateway.md): a producer whose request ids,
+    owner, result and done keys begin with ``<tenant>:``, with its holds set."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,14 +144,16 @@ def _connection(version: tuple[int, int]) -> list[str]:
     return [f"+{c}" for c in (*CONNECTION, *((SETINFO,) if version >= SETINFO_SINCE else ()))]
 
 
-def producer_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[str, ...]:
-    """Rules of a producer of ``models`` on Redis ``version`` (see NOTE [ ACL roles ])."""
+def producer_rules(models: Sequence[Keys], version: tuple[int, int],
+                   ids: str = "") -> tuple[str, ...]:
+    """Rules of a producer of ``models`` on Redis ``version`` (see NOTE [ ACL roles ]),
+    its owner, result and done keys those of request ids that begin with ``ids``."""
     parts = _partitions(models)
     streams = [k.stream(lane) for k in parts for lane in Lane]
     limits = [k.limits() for k in parts]
-    owners = [k.owner(_ANY) for k in parts]
-    results = [k.result(_ANY) for k in parts]
-    dones = [k.done(_ANY) for k in parts]
+    owners = [k.owner(ids + _ANY) for k in parts]
+    results = [k.result(ids + _ANY) for k in parts]
+    dones = [k.done(ids + _ANY) for k in parts]
     replies = [k.reply(_ANY) for k in parts]
     fleets = [k.workers() for k in models]
     records = [k.worker(_ANY) for k in models]
@@ -167,6 +173,20 @@ def producer_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[st
         _selector(("zrange",), _keys(*fleets, mode="%R~")),
         _selector(("mget", "get"), _keys(*records, mode="%R~")),
         _partitions_read(models),
+    )
+
+
+def tenant_rules(models: Sequence[Keys], version: tuple[int, int],
+                 tenant: str) -> tuple[str, ...]:
+    """Rules of the gateway's producer for ``tenant`` (Role.TENANT): a producer of request
+    ids ``<tenant>:...`` only, which also calls the holds function on its own holds set
+    (NOTE [ Tenant holds ] in common/protocol/tenants.py; TIME: the function's clock)."""
+    holds = [k.tenant(tenant_name(tenant)) for k in models]
+    return (
+        *producer_rules(models, version, tenant_request_id(tenant, "")), "+time",
+        *_keys(*holds),
+        _selector(("zadd", "zrem", "zremrangebyscore", "zcard", "pttl", "pexpire"),
+                  _keys(*holds)),
     )
 
 
@@ -206,15 +226,21 @@ def worker_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[str,
 
 
 def build_user(name: str, role: Role, password: str, models: Sequence[Keys],
-               version: tuple[int, int] = SETINFO_SINCE) -> AclUser:
-    """The user ``name`` of ``role`` for ``models`` on Redis ``version`` (major, minor);
-    ValueError for a bad name, no model, or a Redis without selectors (before 7.0)."""
+               version: tuple[int, int] = SETINFO_SINCE, tenant: str | None = None) -> AclUser:
+    """The user ``name`` of ``role`` for ``models`` on Redis ``version`` (major, minor), of
+    ``tenant`` for Role.TENANT; ValueError for a bad name, no model, no tenant for a tenant's
+    user, or a Redis without selectors (before 7.0)."""
     if not models:
         raise ValueError("name at least one model")
     if version < SELECTORS_SINCE:
         raise ValueError(f"Redis {version[0]}.{version[1]} has no ACL selectors: redbatch's "
                          "ACL users need Redis 7.0 or later")
-    rules = (producer_rules if role is Role.PRODUCER else worker_rules)(models, version)
+    if role is Role.TENANT:
+        if tenant is None:
+            raise ValueError("a tenant's user needs --tenant")
+        rules = tenant_rules(models, version, tenant)
+    else:
+        rules = (producer_rules if role is Role.PRODUCER else worker_rules)(models, version)
     return AclUser(user_name(name), role, password_sha256(password), rules)
 
 
@@ -241,6 +267,7 @@ def load_functions(r: redis.Redis) -> None:
     """Load the function library the producer calls (on a cluster, on every master), so
     that producers can submit before any worker has started. Needs an admin connection."""
     load_library(r)
+    load_tenants_library(r)
 
 
 def apply(r: redis.Redis, user: AclUser) -> None:

@@ -255,6 +255,30 @@ class LimitSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    """``redbatch gateway`` (docs/gateway.md): the HTTP face of the protocol."""
+
+    #: Address it listens on; loopback unless told otherwise.
+    host: str = "127.0.0.1"
+    #: Port it listens on.
+    port: int = 8000
+    #: A request's deadline when it names none (``timeout``), s.
+    default_timeout_s: float = 30.0
+    #: The longest deadline a request may ask for, s (a wait the gateway keeps open).
+    max_timeout_s: float = 600.0
+    #: Largest request body, bytes: a payload and its JSON or multipart framing.
+    max_body_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES + 64 * 1024
+    #: Most texts in one embeddings request (each job takes up to 16).
+    max_texts: int = 2048
+    #: How long a model's "a worker is alive" answer is reused, s (one lookup per period).
+    ready_cache_s: float = 1.0
+    #: Retry-After of a 429 (a lane or a tenant at its bound), s.
+    retry_after_s: int = 1
+    #: Longest wait of GET /v1/jobs/{id}?wait=S, s.
+    max_poll_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSettings:
     #: Built-in model name, a TorchScript file (*.pt) or a factory 'package.module:callable'.
     spec: str = DEFAULT_MODEL

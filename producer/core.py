@@ -151,11 +151,23 @@ class ClientCore:
 
     def _jobs(self, payloads: Iterable[Any], kw: Mapping[str, Any]) -> list[JobEnvelope]:
         """Envelopes for submit_many: the keywords of submit, shared by every payload."""
+        return self.jobs(payloads, **kw)
+
+    def jobs(self, payloads: Iterable[Any], *, request_ids: Sequence[str] | None = None,
+             **kw: Any) -> list[JobEnvelope]:
+        """Envelopes naming this client's reply list, for ``submit_jobs``: ``submit``'s
+        keywords, shared by every payload, and each job's request id from ``request_ids``
+        (default: new ones). Raises TypeError or ValueError as :meth:`job` does."""
         reply_to = self._reply_to(kw.get("model"))
+        payloads = list(payloads)
+        ids: Sequence[str | None] = request_ids or [None] * len(payloads)
+        if len(ids) != len(payloads):
+            raise ValueError(f"{len(ids)} request ids for {len(payloads)} payloads")
         return [self.job(p, model=kw.get("model"), timeout_s=kw.get("timeout_s"),
                           lane=kw.get("lane", Lane.INTERACTIVE), params=kw.get("params"),
                           content_type=kw.get("content_type"),
-                          request_id=None, reply_to=reply_to) for p in payloads]
+                          request_id=rid, reply_to=reply_to)
+                for p, rid in zip(payloads, ids, strict=True)]
 
     def _reply_to(self, model: str | None) -> str | None:
         """The reply list new jobs of ``model`` name: the client's, or None once it proved

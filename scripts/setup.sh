@@ -19,7 +19,7 @@ fi
 # The stamp records what was installed; reinstall only when pyproject.toml changes.
 stamp=.venv/.redbatch-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "setup: creating .venv and installing redbatch[worker,test]" >&2
+  echo "setup: creating .venv and installing redbatch[worker,test] (test: the gateway extra too)" >&2
   [ -x .venv/bin/python ] || python3 -m venv .venv
   # torch first, pinned to the CPU build; the package's own range (torch>=2.1) accepts it.
   # --no-compile: no .pyc for the thousands of modules nothing imports (about 20 s of CPU of a

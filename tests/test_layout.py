@@ -4,6 +4,7 @@ Drawn from the code with ast, so a new back-arrow fails here the day it is writt
 
     cli             the top floor: may import every package
     scoring         common, producer (the bulk program is a user of the client)
+    gateway         common, producer (the HTTP gateway is a user of the client)
     producer        common
     gpu_worker      common, handlers, preproc_worker
     preproc_worker  common, handlers
@@ -32,7 +33,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ALLOWED = {
-    "cli": {"common", "producer", "scoring", "handlers", "preproc_worker", "gpu_worker"},
+    "cli": {"common", "producer", "scoring", "handlers", "preproc_worker", "gpu_worker",
+            "gateway"},
+    "gateway": {"common", "producer"},
     "scoring": {"common", "producer"},
     "producer": {"common"},
     "gpu_worker": {"common", "handlers", "preproc_worker"},

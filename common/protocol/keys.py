@@ -193,6 +193,11 @@ class Keys:
         past the last heartbeat, so it exists only while the worker is alive."""
         return f"{self._base}:worker:{consumer}"
 
+    def tenant(self, name: str) -> str:
+        """Sorted set (partition 0's slot) of the request ids a gateway's tenant holds,
+        scored by when each hold lapses, Unix ms (NOTE [ Tenant holds ] in tenants.py)."""
+        return f"{self.prefix}:{{{self.model}}}:tenant:{name}"
+
     def recent(self) -> str:
         """List of the newest RECENT_MAX results' msgpack RecentResult records, newest first."""
         return f"{self._base}:recent"
