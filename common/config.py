@@ -276,6 +276,9 @@ class GatewaySettings:
     retry_after_s: int = 1
     #: Longest wait of GET /v1/jobs/{id}?wait=S, s.
     max_poll_s: float = 30.0
+    #: Connections each tenant's client may open to Redis: every wait makes a call or two,
+    #: and redis-py's asyncio pool (100 by default) refuses the call past its size at once.
+    redis_connections: int = 2000
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,8 +81,14 @@ class Gateway:
     async def start(self) -> None:
         """Open each tenant's client and load the holds library (where --redis may)."""
         for tenant in self.tenants.all:
-            self._clients[tenant.name] = AsyncClient(tenant.redis_url or self.redis_url,
-                                                     model=self.models[0], prefix=self.prefix)
+            client = AsyncClient(tenant.redis_url or self.redis_url, model=self.models[0],
+                                 prefix=self.prefix)
+            # redis-py's asyncio pool refuses the 101st call in flight by default: "Too many
+            # connections", under a load the gateway should only queue behind.
+            pool = getattr(client.redis, "connection_pool", None)
+            if pool is not None:
+                pool.max_connections = self.settings.redis_connections
+            self._clients[tenant.name] = client
         try:
             await load_tenants_library_async(self._admin)
         except redis.RedisError as e:

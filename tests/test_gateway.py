@@ -86,6 +86,16 @@ def _tenant_urls(server: RedisServer) -> dict[str, str]:
     return {"acme": acme, "beta": rules.user_url(server.url, "gw-beta", "beta-pw")}
 
 
+def _first_worker(admin: redis.Redis, model: str) -> str:
+    """The consumer name of a live worker of ``model``: the worker's second model may beat
+    a moment after the first one is ready."""
+    deadline = time.monotonic() + 30
+    while not (found := admin.zrange(Keys(model).workers(), 0, 0)):
+        assert time.monotonic() < deadline, f"no worker of {model} beat in 30 s"
+        time.sleep(0.05)
+    return str(found[0].decode())
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("gateway")
@@ -95,7 +105,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         start(server.url, "--model", IMAGE, model=TEXT)
         # A worker record of a model no process serves: the gateway sees it alive, so its
         # jobs stay queued (a real worker would take them) and can be cancelled.
-        consumer = admin.zrange(Keys(IMAGE).workers(), 0, 0)[0].decode()
+        consumer = _first_worker(admin, IMAGE)
         admin.set(Keys(PLANTED).worker(consumer), admin.get(Keys(IMAGE).worker(consumer)) or b"",
                   px=600_000)
         admin.zadd(Keys(PLANTED).workers(), {consumer: time.time() * 1000})
