@@ -29,6 +29,7 @@ import pytest
 import redis
 from conftest import SAMPLES, GoldenVectors, settings_free_env
 from redbatch.cli import acl_rules as rules
+from redbatch.cli.local_stack import wait_worker_ready
 from redbatch.cli.redis_server import RedisServer, free_port
 from redbatch.common.protocol import Keys, Lane
 from redbatch.common.protocol.tenants import (
@@ -101,14 +102,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("gateway")
     with RedisServer(password=ADMIN) as server, spawned_workers(tmp) as start:
         admin = redis.Redis.from_url(server.url)
+        # The worker loads its models while the users and the gateway are made.
+        worker, worker_log = start(server.url, "--model", IMAGE, model=TEXT, ready=False)
         urls = _tenant_urls(server)
-        start(server.url, "--model", IMAGE, model=TEXT)
-        # A worker record of a model no process serves: the gateway sees it alive, so its
-        # jobs stay queued (a real worker would take them) and can be cancelled.
-        consumer = _first_worker(admin, IMAGE)
-        admin.set(Keys(PLANTED).worker(consumer), admin.get(Keys(IMAGE).worker(consumer)) or b"",
-                  px=600_000)
-        admin.zadd(Keys(PLANTED).workers(), {consumer: time.time() * 1000})
         tenants = tmp / "tenants.toml"
         tenants.write_text(
             f'[tenants.acme]\nkey_sha256 = "{hashlib.sha256(ACME_KEY.encode()).hexdigest()}"\n'
@@ -124,6 +120,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                  "--tenants", str(tenants)],
                 env={**settings_free_env(), "ACME_REDIS_URL": urls["acme"]},
                 stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_worker_ready(server.url, Keys(TEXT), worker, timeout_s=180)
+        except BaseException:
+            print(worker_log.read_text(errors="replace")[-4000:])
+            proc.terminate()
+            raise
+        # A worker record of a model no process serves: the gateway sees it alive, so its
+        # jobs stay queued (a real worker would take them) and can be cancelled.
+        consumer = _first_worker(admin, IMAGE)
+        admin.set(Keys(PLANTED).worker(consumer), admin.get(Keys(IMAGE).worker(consumer)) or b"",
+                  px=600_000)
+        admin.zadd(Keys(PLANTED).workers(), {consumer: time.time() * 1000})
         url = f"http://127.0.0.1:{port}"
         try:
             _wait_http(url, proc, log, 60)
