@@ -146,6 +146,9 @@ def cpu_s(proc: psutil.Process) -> float:
 
 async def run(args: argparse.Namespace, url: str, port: int, gw: psutil.Process) -> list[list[str]]:
     client = AsyncClient(url, model=args.model)
+    # The gateway's pool (GatewaySettings.redis_connections), so neither path refuses a call
+    # past redis-py's default of 100 connections.
+    client.redis.connection_pool.max_connections = 2000
     pool = HttpPool(port, args.model)
 
     async def direct() -> None:

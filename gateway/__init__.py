@@ -9,5 +9,6 @@ queue, lanes, deadlines, cancel) holds through it.
     openai_api.py  OpenAI request bodies to jobs, results to OpenAI responses (pure)
     errors.py    what a refusal or an error result is in HTTP: status, body, headers
     service.py   the calls: hold, submit, wait, status, cancel, live models (no HTTP)
+    coalesce.py  the submits of concurrent requests in one call
     app.py       the Starlette routes, /metrics, /healthz, /readyz
 """

@@ -37,6 +37,7 @@ from redbatch.common.protocol.tenants import (
     tenant_request_id,
 )
 from redbatch.common.redis_io import connect_async
+from redbatch.gateway.coalesce import Coalescer
 from redbatch.gateway.errors import (
     NO_WORKER,
     NOT_FOUND,
@@ -75,6 +76,7 @@ class Gateway:
         self.models = tuple(dict.fromkeys(models))
         self.prefix = prefix
         self._clients: dict[str, AsyncClient] = {}
+        self._submits: dict[str, Coalescer] = {}
         self._live: dict[str, tuple[float, int]] = {}
         self._admin = connect_async(redis_url)
 
@@ -89,6 +91,7 @@ class Gateway:
             if pool is not None:
                 pool.max_connections = self.settings.redis_connections
             self._clients[tenant.name] = client
+            self._submits[tenant.name] = Coalescer(client)
         try:
             await load_tenants_library_async(self._admin)
         except redis.RedisError as e:
@@ -147,7 +150,7 @@ class Gateway:
             envelopes = client.jobs(job.payloads, request_ids=rids, model=job.model,
                                     timeout_s=job.timeout_s, lane=job.lane,
                                     content_type=job.content_type)
-            await client.submit_jobs(envelopes)
+            await self._submits[tenant.name].submit(envelopes)
         except (TypeError, ValueError) as e:
             await self.release(tenant, job.model, rids)
             raise bad_request(str(e)[:300]) from None

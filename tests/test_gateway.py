@@ -9,6 +9,7 @@ tests only submit and read, each under ids of its own.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
@@ -38,7 +39,9 @@ from redbatch.common.protocol.tenants import (
     TENANTS_LIBRARY_NAME,
     hold_args,
 )
+from redbatch.gateway.coalesce import Coalescer
 from redbatch.gateway.tenants import TenantsError, load_tenants
+from redbatch.producer.client import AsyncClient, DuplicateRequestId
 from spawned_workers import spawned_workers
 from test_acl import cli, url_of
 
@@ -361,3 +364,34 @@ def test_a_wrong_tenants_file_is_one_line_naming_what(tmp_path: Path, text: str,
     tenants = load_tenants(known, env={})
     assert tenants.authenticate("Bearer sk-1") is tenants.all[0]
     assert tenants.authenticate("Bearer sk-2") is None and tenants.authenticate(None) is None
+
+
+def test_concurrent_submits_go_in_one_admission_call_and_fail_alone(stack: Stack) -> None:
+    photo = (SAMPLES / "cat.jpg").read_bytes()
+
+    def fcalls() -> int:
+        stats = stack.admin.info("commandstats")
+        return int(stats.get("cmdstat_fcall", {}).get("calls", 0))
+
+    async def run() -> list[BaseException | None]:
+        client = AsyncClient(stack.acme_redis, model=IMAGE)
+        coalescer = Coalescer(client)
+        try:
+            await client.submit_jobs(client.jobs([photo], request_ids=["acme:co-taken"],
+                                                 model=IMAGE, timeout_s=30))
+            before = fcalls()
+            ids = [["acme:co-1"], ["acme:co-2", "acme:co-3"], ["acme:co-taken"], ["acme:co-4"]]
+            got = await asyncio.gather(*(coalescer.submit(client.jobs(
+                [photo] * len(i), request_ids=i, model=IMAGE, timeout_s=30)) for i in ids),
+                return_exceptions=True)
+            assert fcalls() - before == 1  # four requests, one admission call
+            await client.results(["acme:co-1", "acme:co-2", "acme:co-3", "acme:co-4"], 30,
+                                 model=IMAGE)
+            return [g if isinstance(g, BaseException) else None for g in got]
+        finally:
+            await client.close()
+
+    outcomes = asyncio.run(run())
+    assert outcomes[0] is None and outcomes[1] is None and outcomes[3] is None
+    assert isinstance(outcomes[2], DuplicateRequestId)
+    assert outcomes[2].duplicates == ["acme:co-taken"]
