@@ -35,9 +35,14 @@ EXTRA_HINT = "redbatch gateway needs its extra: pip install 'redbatch[gateway]'"
 @o.opt("--default-timeout-s", env="GATEWAY_DEFAULT_TIMEOUT_S", type=click.FloatRange(min=0.001),
        default=default_of(GatewaySettings, "default_timeout_s"),
        help="A request's deadline when it names no timeout, s.")
+@o.opt("--submit-calls-in-flight", env="GATEWAY_SUBMIT_CALLS_IN_FLIGHT",
+       type=click.IntRange(min=1), default=default_of(GatewaySettings, "submit_calls_in_flight"),
+       help="Admission calls of one tenant out at once; requests arriving meanwhile go "
+            "together in the next call.")
 @o.LOG_LEVEL()
 def gateway(redis_url: str | None, prefix: str, host: str, port: int, models: tuple[str, ...],
-            tenants: Path | None, default_timeout_s: float, log_level: str) -> None:
+            tenants: Path | None, default_timeout_s: float, submit_calls_in_flight: int,
+            log_level: str) -> None:
     """Serve the OpenAI-compatible HTTP gateway: /v1/embeddings, native /v1/models/M/jobs
     and /v1/jobs/ID, /v1/models, /metrics, /healthz, /readyz.
 
@@ -58,7 +63,8 @@ def gateway(redis_url: str | None, prefix: str, host: str, port: int, models: tu
     except (ValueError, TenantsError) as e:
         raise click.UsageError(str(e)) from None
     url = redis_url or DEFAULT_REDIS_URL
-    settings = GatewaySettings(host=host, port=port, default_timeout_s=default_timeout_s)
+    settings = GatewaySettings(host=host, port=port, default_timeout_s=default_timeout_s,
+                               submit_calls_in_flight=submit_calls_in_flight)
     app = create_app(Gateway(settings, url, known, names, prefix))
     click.echo(f"redbatch gateway: http://{host}:{port} on {redact_url(url)}, models "
                f"{', '.join(names)}, {len(known.all)} tenant(s)"

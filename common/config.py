@@ -279,6 +279,10 @@ class GatewaySettings:
     #: Connections each tenant's client may open to Redis: every wait makes a call or two,
     #: and redis-py's asyncio pool (100 by default) refuses the call past its size at once.
     redis_connections: int = 2000
+    #: Admission calls of one tenant in flight at once (gateway/coalesce.py): the requests
+    #: that arrive meanwhile go together in the next one, so under load the calls per
+    #: request fall instead of the event loop queueing one call each.
+    submit_calls_in_flight: int = 2
 
 
 @dataclass(frozen=True, slots=True)

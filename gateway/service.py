@@ -91,7 +91,7 @@ class Gateway:
             if pool is not None:
                 pool.max_connections = self.settings.redis_connections
             self._clients[tenant.name] = client
-            self._submits[tenant.name] = Coalescer(client)
+            self._submits[tenant.name] = Coalescer(client, self.settings.submit_calls_in_flight)
         try:
             await load_tenants_library_async(self._admin)
         except redis.RedisError as e:

@@ -395,3 +395,34 @@ def test_concurrent_submits_go_in_one_admission_call_and_fail_alone(stack: Stack
     assert outcomes[0] is None and outcomes[1] is None and outcomes[3] is None
     assert isinstance(outcomes[2], DuplicateRequestId)
     assert outcomes[2].duplicates == ["acme:co-taken"]
+
+
+def test_requests_arriving_while_a_call_is_out_go_together_in_the_next(stack: Stack) -> None:
+    """Group commit: with the one call allowed out held by Redis (CLIENT PAUSE WRITE), the
+    requests of three later turns wait for it and go in one call, each admitted."""
+    photo = (SAMPLES / "cat.jpg").read_bytes()
+
+    async def run() -> tuple[int, list[BaseException | None]]:
+        client = AsyncClient(stack.acme_redis, model=IMAGE)
+        coalescer = Coalescer(client, in_flight=1)
+        try:
+            def submit(rid: str) -> asyncio.Task[None]:
+                return asyncio.ensure_future(coalescer.submit(client.jobs(
+                    [photo], request_ids=[rid], model=IMAGE, timeout_s=30)))
+            await client.partitions(IMAGE)  # the history read before the pause
+            stack.admin.execute_command("CLIENT", "PAUSE", 300, "WRITE")
+            tasks = [submit("acme:gc-0")]
+            for i in range(1, 4):  # each in a turn of its own, the first call still out
+                for _ in range(3):
+                    await asyncio.sleep(0)
+                tasks.append(submit(f"acme:gc-{i}"))
+            got = await asyncio.gather(*tasks, return_exceptions=True)
+            await client.results([f"acme:gc-{i}" for i in range(4)], 30, model=IMAGE)
+            return coalescer.calls, [g if isinstance(g, BaseException) else None for g in got]
+        finally:
+            stack.admin.execute_command("CLIENT", "UNPAUSE")
+            await client.close()
+
+    calls, outcomes = asyncio.run(run())
+    assert outcomes == [None] * 4
+    assert calls == 2  # the first alone, the three that came meanwhile together
