@@ -1,6 +1,7 @@
 """The HTTP gateway against the Python client, same model, same load (issue 32).
 
     .venv/bin/python bench/gateway.py [--model null_tensor] [--concurrency 32] [--seconds 8]
+        [--rate R] [--before-in-flight N]
 
 One private redis-server, one worker, one ``redbatch gateway`` process. Two phases, each
 run direct (``AsyncClient.predict``) and through the gateway (``POST
@@ -11,6 +12,11 @@ own cost stays small):
    (user + system, psutil) per request;
 2. open loop at ``--load`` (80%) of the lower closed-loop throughput of the two, Poisson
    arrivals, each request timed from its scheduled arrival: p50/p99, and p99 added.
+
+``--rate`` fixes the open loop's rate (else ``--load`` of the lower closed-loop rate).
+``--before-in-flight N`` runs a second gateway with ``--submit-calls-in-flight N`` (a large N
+is the coalescer of before group commit: one call per event-loop turn) through the same
+phases, so before and after are measured in one run.
 
 Prints the ratios last and writes bench/out/gateway.csv.
 """
@@ -120,13 +126,15 @@ async def open_loop(call: Call, rate: float, seconds: float, seed: int) -> Phase
     return Phase(len(lat), time.perf_counter() - start, lat)
 
 
-def start_gateway(url: str, model: str) -> tuple[subprocess.Popen[bytes], int]:
+def start_gateway(url: str, model: str, in_flight: int | None = None,
+                  log_name: str = "gateway.log") -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     OUT.mkdir(parents=True, exist_ok=True)
-    with open(OUT / "gateway.log", "wb") as log:
+    extra = ["--submit-calls-in-flight", str(in_flight)] if in_flight else []
+    with open(OUT / log_name, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "redbatch.cli", "gateway", "--redis", url,
                                  "--port", str(port), "--model", model, "--log-level",
-                                 "WARNING"], stdout=log, stderr=subprocess.STDOUT)
+                                 "WARNING", *extra], stdout=log, stderr=subprocess.STDOUT)
     import urllib.request
     deadline = time.monotonic() + 60
     while True:
@@ -144,44 +152,55 @@ def cpu_s(proc: psutil.Process) -> float:
     return t.user + t.system
 
 
-async def run(args: argparse.Namespace, url: str, port: int, gw: psutil.Process) -> list[list[str]]:
+async def run(args: argparse.Namespace, url: str,
+              gateways: list[tuple[str, int, psutil.Process]]) -> list[list[str]]:
+    """Long because it is the bench's script: the phases in order, then the table."""
     client = AsyncClient(url, model=args.model)
     # The gateway's pool (GatewaySettings.redis_connections), so neither path refuses a call
     # past redis-py's default of 100 connections.
     client.redis.connection_pool.max_connections = 2000
-    pool = HttpPool(port, args.model)
+    pools = [(name, HttpPool(port, args.model), proc) for name, port, proc in gateways]
 
     async def direct() -> None:
         (await client.predict(PAYLOAD, timeout_s=30)).raise_for_error()
 
-    for call in (direct, pool.call):  # warm both paths
+    for call in (direct, *(p.call for _, p, _ in pools)):  # warm every path
         await closed(call, args.concurrency, 1.0)
     d = await closed(direct, args.concurrency, args.seconds)
     print(f"closed, direct: {d.rate:.0f}/s", flush=True)
-    before = cpu_s(gw)
-    g = await closed(pool.call, args.concurrency, args.seconds)
-    cpu_ms = (cpu_s(gw) - before) * 1000 / g.done
-    print(f"closed, gateway: {g.rate:.0f}/s", flush=True)
-    rate = args.load * min(d.rate, g.rate)  # both paths below their capacity
+    shut: dict[str, tuple[Phase, float]] = {}
+    for name, pool, proc in pools:
+        before = cpu_s(proc)
+        g = await closed(pool.call, args.concurrency, args.seconds)
+        shut[name] = (g, (cpu_s(proc) - before) * 1000 / g.done)
+        print(f"closed, {name}: {g.rate:.0f}/s", flush=True)
+    rate = args.rate or args.load * min([d.rate, *(g.rate for g, _ in shut.values())])
     od = await open_loop(direct, rate, args.seconds, 1)
     print(f"open {rate:.0f}/s, direct: p99 {pct(od.latencies_ms, 99):.1f} ms", flush=True)
-    og = await open_loop(pool.call, rate, args.seconds, 1)
+    opened: dict[str, tuple[Phase, float]] = {}
+    for name, pool, proc in pools:
+        before = cpu_s(proc)
+        og = await open_loop(pool.call, rate, args.seconds, 1)
+        opened[name] = (og, (cpu_s(proc) - before) * 1000 / max(og.done, 1))
+        print(f"open {rate:.0f}/s, {name}: p99 {pct(og.latencies_ms, 99):.1f} ms", flush=True)
     await client.close()
     rows = [["phase", "path", "requests", "per_s", "p50_ms", "p99_ms", "gateway_cpu_ms"]]
-    for phase, path, p, cpu in (("closed", "direct", d, ""), ("closed", "gateway", g, cpu_ms),
-                                (f"open {rate:.0f}/s", "direct", od, ""),
-                                (f"open {rate:.0f}/s", "gateway", og, "")):
+    table: list[tuple[str, str, Phase, float | None]] = [("closed", "direct", d, None)]
+    table += [("closed", n, g, c) for n, (g, c) in shut.items()]
+    table += [(f"open {rate:.0f}/s", "direct", od, None)]
+    table += [(f"open {rate:.0f}/s", n, g, c) for n, (g, c) in opened.items()]
+    for phase, path, p, cpu in table:
         rows.append([phase, path, str(p.done), f"{p.rate:.1f}", f"{pct(p.latencies_ms, 50):.2f}",
-                     f"{pct(p.latencies_ms, 99):.2f}",
-                     f"{cpu:.3f}" if isinstance(cpu, float) else ""])
+                     f"{pct(p.latencies_ms, 99):.2f}", "" if cpu is None else f"{cpu:.3f}"])
     for row in rows:
         print("  ".join(f"{c:>16}" for c in row))
     print(f"\nload: {machine_load()}")
-    print(f"gateway CPU per request: {cpu_ms:.3f} ms (target <= 1)")
-    print(f"throughput, gateway / direct (closed, {args.concurrency} in flight): "
-          f"{g.rate / d.rate:.2f}x (target >= 0.9)")
-    print(f"p99 added at {args.load:.0%} of the gateway's capacity ({rate:.0f}/s): "
-          f"{pct(og.latencies_ms, 99) - pct(od.latencies_ms, 99):+.2f} ms (target <= 5)")
+    for name in shut:
+        (g, cpu_ms), (og, open_cpu) = shut[name], opened[name]
+        print(f"{name}: CPU a request {cpu_ms:.3f} ms closed, {open_cpu:.3f} ms open "
+              f"(target <= 1); throughput / direct (closed, {args.concurrency} in flight) "
+              f"{g.rate / d.rate:.2f}x (target >= 0.9); p99 added at {rate:.0f}/s "
+              f"{pct(og.latencies_ms, 99) - pct(od.latencies_ms, 99):+.2f} ms (target <= 5)")
     return rows
 
 
@@ -191,17 +210,27 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--load", type=float, default=0.8)
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="the open loop's requests/s (default: --load of the closed rates)")
+    ap.add_argument("--before-in-flight", type=int, default=0,
+                    help="also a gateway with --submit-calls-in-flight N (the before)")
     args = ap.parse_args()
     with RedisServer() as server:
         worker = start_worker(server.url, args.model,
                               ["--model", args.model, "--calibrate", "off"], "gateway-worker.log")
-        gateway, port = start_gateway(server.url, args.model)
+        started = [("gateway", *start_gateway(server.url, args.model))]
+        if args.before_in_flight:
+            started.append((f"gateway, {args.before_in_flight} in flight",
+                            *start_gateway(server.url, args.model, args.before_in_flight,
+                                           "gateway-before.log")))
         try:
-            rows = asyncio.run(run(args, server.url, port, psutil.Process(gateway.pid)))
+            rows = asyncio.run(run(args, server.url, [(n, port, psutil.Process(p.pid))
+                                                      for n, p, port in started]))
             print(f"wrote {write_csv('gateway.csv', rows[0], rows[1:])}")
         finally:
-            gateway.terminate()
-            gateway.wait(timeout=20)
+            for _, proc, _ in started:
+                proc.terminate()
+                proc.wait(timeout=20)
             worker.stop()
 
 
