@@ -17,6 +17,7 @@ has no tenants file), ``X-Request-Id`` (the job's id; echoed) and ``X-Redbatch-L
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -32,7 +33,15 @@ from prometheus_client import (
 )
 from redbatch.common.protocol import JobStatus, Lane, ResultEnvelope, validate_name
 from redbatch.common.protocol.tenants import tenant_request_id
-from redbatch.gateway.errors import NOT_FOUND, UNAUTHORIZED, ApiError, bad_request, from_result
+from redbatch.gateway.errors import (
+    INTERNAL,
+    METHOD_NOT_ALLOWED,
+    NOT_FOUND,
+    UNAUTHORIZED,
+    ApiError,
+    bad_request,
+    from_result,
+)
 from redbatch.gateway.openai_api import (
     embeddings_response,
     models_response,
@@ -44,10 +53,12 @@ from redbatch.gateway.service import Gateway, Submission
 from redbatch.gateway.tenants import Tenant
 from starlette.applications import Starlette
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+log = logging.getLogger(__name__)
 Handler = Callable[[Request], Awaitable[Response]]
 MAX_PARTS = 64
 """Most files one multipart request may carry (each one job)."""
@@ -113,7 +124,24 @@ def create_app(gateway: Gateway) -> Starlette:
         Route("/v1/models", endpoint("models", list_models), methods=["GET"]),
         Route("/metrics", metrics_page), Route("/healthz", healthz), Route("/readyz", readyz),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+        HTTPException: http_error, Exception: internal_error})
+
+
+async def http_error(_: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route, a method the route lacks) in the OpenAI
+    error shape, each with a stable code."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    code = {404: NOT_FOUND, 405: METHOD_NOT_ALLOWED}.get(status, "http_error")
+    e = ApiError(code, str(getattr(exc, "detail", "")) or code, status)
+    return JSONResponse(e.body(), status, headers=getattr(exc, "headers", None))
+
+
+async def internal_error(_: Request, exc: Exception) -> Response:
+    """A bug of the gateway's: one log line and a 500 in the OpenAI shape, not a page."""
+    log.error("unhandled %s: %s", type(exc).__name__, str(exc)[:300])
+    e = ApiError(INTERNAL, "the gateway failed on this request", 500)
+    return JSONResponse(e.body(), 500)
 
 
 def tenant_of(request: Request, gateway: Gateway) -> Tenant:

@@ -36,11 +36,14 @@ UNAUTHORIZED = "invalid_api_key"
 NO_WORKER = "no_worker"
 TENANT_FULL = "tenant_full"
 NOT_FOUND = "not_found"
-STATUS_OF.update({UNAUTHORIZED: 401, NO_WORKER: 503, TENANT_FULL: 429, NOT_FOUND: 404})
+METHOD_NOT_ALLOWED = "method_not_allowed"
+INTERNAL = "internal"
+STATUS_OF.update({UNAUTHORIZED: 401, NO_WORKER: 503, TENANT_FULL: 429, NOT_FOUND: 404,
+                  METHOD_NOT_ALLOWED: 405, INTERNAL: 500})
 
 _TYPE_OF = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error",
-            503: "service_unavailable", 504: "timeout_error"}
+            405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+            429: "rate_limit_error", 503: "service_unavailable", 504: "timeout_error"}
 
 
 class ApiError(Exception):

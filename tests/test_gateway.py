@@ -315,6 +315,15 @@ def test_the_tenant_user_cannot_reach_another_tenants_keys(stack: Stack) -> None
     assert stack.admin.function_list(library=TENANTS_LIBRARY_NAME)  # the gateway loaded it
 
 
+def test_starlettes_own_refusals_have_the_openai_shape(stack: Stack) -> None:
+    for method, path, status, code in (("GET", "/v1/nothing-here", 404, "not_found"),
+                                       ("PUT", "/v1/models", 405, "method_not_allowed")):
+        got, _, body = call(stack, method, path, {})
+        assert got == status, body
+        assert body["error"]["code"] == code and body["error"]["message"], body
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
 def test_health_readiness_and_metrics(stack: Stack) -> None:
     for path, want in (("/healthz", b"ok"), ("/readyz", b"ready")):
         with urllib.request.urlopen(f"{stack.url}{path}", timeout=5) as response:
