@@ -47,6 +47,9 @@ class ErrorCode(StrEnum):
     NON_FINITE_OUTPUT = "non_finite_output"
     """The model's output for this request holds NaN or infinity."""
     INTERNAL = "internal"
+    TOO_MANY_TOKENS = "too_many_tokens"
+    """A generation job whose prompt tokens plus max_new_tokens pass the model's context
+    or the worker's KV cache; refused as it was read, never run."""
     QUEUE_FULL = "queue_full"
     """Refused at submit: the lane's queue is at its bound (see ADMIT_SCRIPT). Never
     written by workers into a result; the client raises it to its caller."""

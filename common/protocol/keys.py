@@ -178,6 +178,16 @@ class Keys:
         as long as that job is queued or its result lives (see NOTE [ Request id owners ])."""
         return f"{self._base}:owner:{request_id}"
 
+    def tokens(self, request_id: str) -> str:
+        """Stream of a generation job's answer in chunks, entry ``0-n`` for chunk n
+        (PROTOCOL.md "Token stream"): a second write of an index is refused by Redis."""
+        return f"{self._base}:tokens:{request_id}"
+
+    def stop(self, request_id: str) -> str:
+        """String key any client sets to cancel a running generation; the worker reads
+        the stop keys of its running generations once per step."""
+        return f"{self._base}:stop:{request_id}"
+
     def limits(self) -> str:
         """Hash of queue bounds: field = lane name, value = most entries its stream may
         hold for a new job to be admitted (absent: unbounded). See ADMIT_SCRIPT."""
