@@ -16,6 +16,7 @@ from redbatch.cli.errors import Interrupted
 from redbatch.cli.options import opt, together
 from redbatch.cli.signals import signals_stop
 from redbatch.common.config import (
+    GENERATION_MODELS,
     BatchSettings,
     LimitSettings,
     ModelSettings,
@@ -169,6 +170,13 @@ def worker(**options: Any) -> None:
     from redbatch.gpu_worker.device.watchdog import DEVICE_EXIT_CODE, exit_now
     from redbatch.gpu_worker.worker import Worker
 
+    if settings.model.spec in GENERATION_MODELS and not settings.more_models:
+        from redbatch.gpu_worker.generating import GenerationWorker
+
+        g = GenerationWorker(settings)
+        with signals_stop(g.stop, g.abort):
+            g.run()
+        return
     w = Worker(settings)
     with signals_stop(w.stop, w.abort) as seen:
         try:

@@ -390,6 +390,26 @@ def default_consumer_name() -> str:
     return f"{socket.gethostname()[:40]}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+#: Built-in chat models: a worker serving one runs the generation loop (PROTOCOL.md
+#: "Generation") instead of the image/text batcher.
+GENERATION_MODELS = frozenset({"smollm2_135m"})
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationSettings:
+    """A generation worker's settings (docs/generation.md)."""
+
+    #: Token chunks of one request are coalesced this long before they are written, ms;
+    #: 0 writes every step's tokens.
+    stream_interval_ms: float = 20.0
+    #: Largest max_new_tokens a job may ask for (PROTOCOL.md "Generation limits").
+    max_new_tokens: int = 1_024
+    #: Sequences in the running batch, at most; and jobs read ahead of it.
+    max_running: int = 32
+    #: Memory of the KV cache, MiB (its blocks follow from it).
+    kv_memory_mib: int = 256
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     """Everything a worker needs; logged (redacted) at start."""
@@ -437,6 +457,7 @@ class Settings:
     #: Models served beside ``model`` by the same worker (``--model`` given more than once):
     #: each with its own streams, batcher and runner, sharing the pool and the device.
     more_models: tuple[ModelSettings, ...] = ()
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
 
     def __post_init__(self) -> None:
         names = [m.served_name for m in self.models]

@@ -175,7 +175,7 @@ def build(s: Settings, metrics: WorkerMetrics, health: Health,
     models = []
     for i, (t, each, its_slots, (runner, its_metrics)) in enumerate(
             zip(tunings, settings, slots, runners, strict=True)):
-        intake, writer = _connect(each, its_metrics, health, stop)
+        intake, writer = connect_model(each, its_metrics, health, stop)
         outgoing: queue.SimpleQueue[list[Answer] | None] = queue.SimpleQueue()
         models.append(Served(
             i, each, t.tuned, t.latency, its_metrics, t.capacity, t.batcher, its_slots,
@@ -210,7 +210,7 @@ def _metrics(first: WorkerMetrics, settings: list[Settings]) -> list[WorkerMetri
             for i, each in enumerate(settings)]
 
 
-def _connect(s: Settings, metrics: WorkerMetrics, health: Health,
+def connect_model(s: Settings, metrics: WorkerMetrics, health: Health,
              stop: threading.Event) -> tuple[Intake, ResultWriter]:
     """A model's intake, once its consumer groups exist, and its result writer."""
     r = connect_waiting(s.redis, stop)

@@ -94,25 +94,34 @@ class Engine:
         self._pending: list[StepOutput] = []
 
     def add(self, request_id: str, prompt: Sequence[int], params: SamplingParams, *,
-            interactive: bool = True, deadline_s: float | None = None) -> None:
+            interactive: bool = True, deadline_s: float | None = None,
+            replay: Sequence[int] = ()) -> None:
         """Queue a request (``deadline_s`` on the engine's clock). GenerationError for a
         duplicate id, an empty prompt, or one that with ``max_new_tokens`` passes the
-        model's context or the whole KV cache."""
+        model's context or the whole KV cache. ``replay``: answer tokens another worker
+        already sent (a takeover): computed again with the prompt, counted against
+        ``max_new_tokens``, their text not sent again."""
         total = len(prompt) + params.max_new_tokens
+        if len(replay) >= params.max_new_tokens:
+            raise GenerationError(ErrorCode.BAD_INPUT, "nothing left to generate")
         if request_id in self._requests:
             raise GenerationError(ErrorCode.BAD_INPUT, f"request {request_id!r} is running")
         if not prompt:
             raise GenerationError(ErrorCode.BAD_INPUT, "the prompt is empty")
         if total > self.model.cfg.context:
-            raise GenerationError(ErrorCode.BAD_INPUT, f"prompt + max_new_tokens = {total} "
-                                  f"tokens, over the context of {self.model.cfg.context}")
+            raise GenerationError(ErrorCode.TOO_MANY_TOKENS, f"prompt + max_new_tokens = "
+                                  f"{total} tokens, over the context of "
+                                  f"{self.model.cfg.context}")
         if blocks_for(total, self.pool.block_size) > self.pool.blocks:
-            raise GenerationError(ErrorCode.BAD_INPUT, f"{total} tokens do not fit the KV "
-                                  f"cache ({self.pool.blocks * self.pool.block_size} tokens)")
-        seq = SeqState(request_id, list(prompt), params.max_new_tokens, interactive,
-                       self.clock(), deadline_s)
-        self._requests[request_id] = _Request(seq, params, TextStream(self._decode,
-                                              params.stop), generator_for(params))
+            raise GenerationError(ErrorCode.TOO_MANY_TOKENS, f"{total} tokens do not fit "
+                                  f"the KV cache ({self.pool.blocks * self.pool.block_size} "
+                                  "tokens)")
+        seq = SeqState(request_id, [*prompt, *replay], params.max_new_tokens - len(replay),
+                       interactive, self.clock(), deadline_s)
+        stream = TextStream(self._decode, params.stop)
+        for token in replay:
+            stream.push(token)
+        self._requests[request_id] = _Request(seq, params, stream, generator_for(params))
         self.scheduler.add(seq)
 
     def cancel(self, request_id: str) -> bool:

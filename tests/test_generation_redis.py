@@ -1,0 +1,236 @@
+"""Generation over Redis (PROTOCOL.md "Generation"): a real worker process serving the real
+smollm2_135m, real Redis, real prompts. One worker for the module (loading the model costs
+seconds); the takeover test starts a second one.
+
+Greedy answers through Redis equal the reference's (tests/data/smollm2_golden.json); every
+token stream holds each index once, in order; a reader that drops reads on with no gap and
+no duplicate; a stop key cancels a running generation within a step; bad input is answered
+with a stable code and the worker serves on; a worker SIGKILLed mid-generation loses
+nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import redis
+from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
+from redbatch.common.protocol import GROUP, JobEnvelope, Keys, Lane
+from redbatch.common.protocol.generation import Chunk
+
+MODEL = "smollm2_135m"
+KEYS = Keys(MODEL)
+GOLDEN = json.loads((Path(__file__).parent / "data" / "smollm2_golden.json").read_text())
+WAIT_S = 120
+
+
+def _worker(redis_url: str, log: Path) -> Any:
+    with open(log, "wb") as out:
+        proc = spawn_worker(redis_url, ["--model", MODEL, "--metrics-port", "0",
+                                        "--calibrate", "off", "--reclaim-idle-ms", "1500"],
+                            stdout=out, stderr=out)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def gen(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis.Redis]:
+    """A client of the session's Redis with one generation worker serving the model."""
+    r = redis.Redis.from_url(redis_url)
+    r.flushall()
+    log = tmp_path_factory.mktemp("gen") / "worker.log"
+    proc = _worker(redis_url, log)
+    try:
+        wait_worker_ready(redis_url, KEYS, proc)
+        yield r
+    finally:
+        stop_worker(proc, timeout_s=20)
+        if os.environ.get("REDBATCH_TEST_SHOW_LOGS"):
+            print(log.read_text(errors="replace"))
+        r.flushall()
+        r.close()
+
+
+def submit(r: redis.Redis, body: dict[str, Any] | bytes, rid: str | None = None) -> str:
+    rid = rid or uuid.uuid4().hex
+    payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+    env = JobEnvelope(rid, MODEL, payload, "application/json", int(time.time() * 1000))
+    r.xadd(KEYS.stream(Lane.INTERACTIVE), env.encode())  # type: ignore[arg-type]
+    return rid
+
+
+def result(r: redis.Redis, rid: str) -> dict[str, Any]:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:  # short pops: the client's socket timeout is longer
+        got = r.blpop([KEYS.done(rid)], 2)
+        if got is not None:
+            out: dict[str, Any] = msgpack.unpackb(got[1])
+            return out
+    raise AssertionError(f"no result for {rid}")
+
+
+def read(r: redis.Redis, rid: str, after: str, count: int | None = None) -> list[Chunk]:
+    """Chunks after id ``after`` (XREAD, blocking a little at a time)."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        reply: Any = r.xread({KEYS.tokens(rid): after}, count=count, block=2000)
+        if reply:
+            return [Chunk.read(eid, f) for eid, f in reply[0][1]]
+    raise AssertionError(f"no chunk after {after} for {rid}")
+
+
+def chunks(r: redis.Redis, rid: str) -> list[Chunk]:
+    return [Chunk.read(eid, f) for eid, f in r.xrange(KEYS.tokens(rid))]  # type: ignore[union-attr]
+
+
+def check_stream(r: redis.Redis, rid: str, output: dict[str, Any]) -> list[Chunk]:
+    """Indexes 1..n, each once; the chunks add up to the result; only the last ends it."""
+    got = chunks(r, rid)
+    assert [c.index for c in got] == list(range(1, len(got) + 1))
+    assert [c.finish for c in got[:-1]] == [None] * (len(got) - 1)
+    assert got[-1].finish == output["finish_reason"]
+    assert "".join(c.text for c in got) == output["text"]
+    assert [t for c in got for t in c.token_ids] == output["token_ids"]
+    assert got[-1].completion_tokens == len(output["token_ids"])
+    return got
+
+
+def test_greedy_answers_through_redis_equal_the_reference(gen: redis.Redis) -> None:
+    cases = GOLDEN["cases"][:4]
+    n = 12  # the golden's first 12 tokens (of 24): the default run's time is short
+    rids = [submit(gen, {"messages": c["messages"], "max_new_tokens": n})
+            for c in cases]  # all at once: they share the running batch
+    for case, rid in zip(cases, rids, strict=True):
+        res = result(gen, rid)
+        assert res["status"] == "ok", res
+        out = res["output"]
+        assert out["token_ids"] == case["output_ids"][:n]
+        assert case["output_text"].startswith(out["text"]) and len(out["text"]) >= 20
+        if len(case["output_ids"]) <= n:
+            assert out["text"] == case["output_text"]
+        assert out["prompt_tokens"] == len(case["input_ids"])
+        check_stream(gen, rid, out)
+
+
+def test_a_dropped_reader_reads_on_with_no_gap_and_no_duplicate(gen: redis.Redis,
+                                                                 redis_url: str) -> None:
+    rid = submit(gen, {"prompt": "<|im_start|>user\nCount from one to twenty in words."
+                                 "<|im_end|>\n<|im_start|>assistant\n", "max_new_tokens": 48})
+    first = redis.Redis.from_url(redis_url)
+    seen = read(first, rid, "0-0", count=2)
+    first.close()  # the connection drops; another reader, another connection, reads on
+    second = redis.Redis.from_url(redis_url)
+    while seen[-1].finish is None:
+        seen += read(second, rid, f"0-{seen[-1].index}")
+    second.close()
+    out = result(gen, rid)["output"]
+    assert [c.index for c in seen] == list(range(1, len(seen) + 1))
+    assert "".join(c.text for c in seen) == out["text"] and len(seen) >= 3
+
+
+def test_a_stop_key_cancels_a_running_generation_within_a_step(gen: redis.Redis) -> None:
+    rid = submit(gen, {"messages": [{"role": "user", "content": "Write a long story about "
+                                     "a lighthouse keeper."}], "max_new_tokens": 1024})
+    read(gen, rid, "0-0", count=1)
+    gen.set(KEYS.stop(rid), "1", px=600_000)
+    before = len(chunks(gen, rid))
+    res = result(gen, rid)
+    assert res["status"] == "ok" and res["output"]["finish_reason"] == "cancelled"
+    got = check_stream(gen, rid, res["output"])
+    # The worker reads stop keys in every step's round trip: one step computing, the next
+    # cancelled (a chunk or two in flight), never the rest of 1024 tokens.
+    assert len(got) - before <= 3, (before, len(got))
+    assert len(res["output"]["token_ids"]) < 100
+
+
+@pytest.mark.parametrize(("payload", "code"), [
+    ({"prompt": "hi", "colour": "red"}, "bad_input"),                      # unknown field
+    ({"prompt": "hi", "max_new_tokens": 5000}, "bad_input"),               # over the limit
+    ({"prompt": "hi", "max_new_tokens": "8"}, "bad_input"),                # wrong type
+    ({"prompt": "hi", "max_new_tokens": True}, "bad_input"),               # bool is no int
+    ({"messages": [{"role": "robot", "content": "x"}]}, "bad_input"),
+    ({"prompt": "hi", "messages": []}, "bad_input"),                       # both
+    (b"\xff\xfe{not utf-8", "bad_input"),                                  # invalid UTF-8
+    (b"[1, 2]", "bad_input"),                                              # not a map
+    ({"prompt": "word " * 8000, "max_new_tokens": 1000}, "too_many_tokens"),  # past context
+    (b"{" + b" " * 70_000 + b"}", "payload_too_large"),
+])
+def test_bad_input_gets_a_stable_code_and_the_worker_serves_on(
+        gen: redis.Redis, payload: dict[str, Any] | bytes, code: str) -> None:
+    rid = submit(gen, payload)
+    res = result(gen, rid)
+    assert res["status"] == "error" and res["error"]["code"] == code, res
+    assert not gen.exists(KEYS.tokens(rid))
+    ok = result(gen, submit(gen, {"prompt": "Hello", "max_new_tokens": 2}))
+    assert ok["status"] == "ok"
+
+
+def _holder(r: redis.Redis, rid: str) -> str | None:
+    """The consumer holding the job of ``rid`` (its pending entry), if any."""
+    for lane in Lane:
+        for row in r.xpending_range(KEYS.stream(lane), GROUP, "-", "+", 100):
+            entry = r.xrange(KEYS.stream(lane), row["message_id"], row["message_id"])
+            if entry and entry[0][1][b"rid"].decode() == rid:
+                return str(row["consumer"].decode())
+    return None
+
+
+def test_a_job_a_dead_worker_streamed_half_of_goes_on_from_the_next_index(
+        gen: redis.Redis) -> None:
+    """The cheap takeover: a consumer that read the job, streamed three chunks and died
+    (it never comes back); the live worker takes the job over once it is idle, computes
+    the prompt and those tokens again, and writes on from chunk 4."""
+    case = GOLDEN["cases"][0]
+    assert case["output_text"] == "The capital of France is Paris."
+    rid = uuid.uuid4().hex
+    body = {"messages": case["messages"], "max_new_tokens": GOLDEN["max_new_tokens"]}
+    env = JobEnvelope(rid, MODEL, json.dumps(body).encode(), "application/json",
+                      int(time.time() * 1000))
+    stream = KEYS.stream(Lane.INTERACTIVE)
+    pipe = gen.pipeline(transaction=True)  # no live worker can read it in between
+    pipe.xadd(stream, env.encode())  # type: ignore[arg-type]
+    pipe.xreadgroup(GROUP, "dead-0-gone", {stream: ">"}, count=1)
+    pipe.execute()
+    ids = case["output_ids"]  # The| capital| of| France| is| Paris|.|<|im_end|>
+    streamed = [Chunk(1, ids[:2], "The capital"), Chunk(2, ids[2:3], " of"),
+                Chunk(3, ids[3:5], " France is")]
+    for c in streamed:
+        gen.xadd(KEYS.tokens(rid), c.fields(), id=f"0-{c.index}")  # type: ignore[arg-type]
+    res = result(gen, rid)
+    assert res["status"] == "ok", res
+    assert res["output"]["token_ids"] == ids
+    assert res["output"]["text"] == case["output_text"]
+    got = check_stream(gen, rid, res["output"])
+    assert got[:3] == streamed and len(got) > 3
+
+
+@pytest.mark.full  # a second worker process to start and kill: ~50 s on a busy 2-core box
+def test_a_worker_killed_mid_generation_loses_nothing(gen: redis.Redis, redis_url: str,
+                                                       tmp_path: Path) -> None:
+    case = GOLDEN["cases"][1]
+    body = {"messages": case["messages"], "max_new_tokens": GOLDEN["max_new_tokens"]}
+    second = _worker(redis_url, tmp_path / "second.log")
+    try:
+        wait_worker_ready(redis_url, KEYS, second, consumers_before=1)
+        rid = submit(gen, body)
+        read(gen, rid, "0-0", count=1)
+        holder = _holder(gen, rid)
+        assert holder is not None
+        pid = int(holder.rsplit("-", 2)[1])
+        os.kill(pid, signal.SIGKILL)
+        res = result(gen, rid)
+    finally:
+        stop_worker(second, timeout_s=20)
+    assert res["status"] == "ok", res
+    assert res["worker"] != holder, "the job ended before the kill: nothing was taken over"
+    assert res["output"]["token_ids"] == case["output_ids"]
+    assert res["output"]["text"] == case["output_text"]
+    check_stream(gen, rid, res["output"])
