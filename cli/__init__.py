@@ -24,7 +24,7 @@ Beside them live what the commands use: the private-stack supervisors
 
 import click
 from redbatch import __version__
-from redbatch.cli import acl, calibrate, fleet, gateway, queues, score, submit, worker
+from redbatch.cli import acl, calibrate, fleet, gateway, generate, queues, score, submit, worker
 from redbatch.cli.errors import ordinary
 
 HELP = """redbatch: dynamic-batching PyTorch inference over Redis streams.
@@ -67,7 +67,7 @@ def main() -> None:
 
 for _command in (worker.worker, calibrate.calibrate, submit.submit, score.score, queues.limit,
                  queues.partitions, queues.job, queues.dlq, fleet.status, fleet.top, acl.acl,
-                 gateway.gateway):
+                 gateway.gateway, generate.generate):
     main.add_command(_command)
 
 __all__ = ["main"]

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-from redbatch.common.config import LimitSettings
+from redbatch.common.config import GENERATION_MODELS, LimitSettings
 from redbatch.handlers.imagenet import EfficientNetLite0, NullModel, TorchScriptClassifier
 from redbatch.handlers.tensors import NullTensorModel
 from redbatch.handlers.text import AllMiniLmL6V2
@@ -108,7 +108,7 @@ def check_spec(spec: str) -> None:
     """Raise the ValueError :func:`load_handler` would for ``spec`` when it can tell without
     loading anything (an unknown name, a TorchScript file that is not there), so that a
     command refuses it before starting a worker; a factory is only checked by loading it."""
-    if spec in BUILTIN or ":" in spec:
+    if spec in BUILTIN or spec in GENERATION_MODELS or ":" in spec:
         return
     if spec.endswith((".pt", ".pth", ".ts")):
         if not Path(spec).is_file():

@@ -46,6 +46,7 @@ from redbatch.common.config import (
 from redbatch.common.protocol import (
     DEFAULT_PREFIX,
     IDEMPOTENCY_WINDOW_MS,
+    ErrorCode,
     JobCancelled,
     JobEnvelope,
     JobFailed,
@@ -57,6 +58,7 @@ from redbatch.common.protocol import (
     ResultEnvelope,
     WorkerRecord,
 )
+from redbatch.common.protocol.generation import CONTENT_TYPE
 from redbatch.common.redis_io import connect, connect_async, is_cluster
 from redbatch.producer.core import ClientCore, QueueState, admitted_jobs
 from redbatch.producer.errors import (
@@ -71,6 +73,7 @@ from redbatch.producer.errors import (
 from redbatch.producer.handles import AsyncJobHandle, JobHandle
 from redbatch.producer.readers import ReaderTasks, ReaderThreads
 from redbatch.producer.runners import AsyncInbox, AsyncRunner, BlockingRunner, SyncInbox, connected
+from redbatch.producer.streaming import TokenReader, generation_payload
 
 __all__ = ["AsyncClient", "AsyncJobHandle", "Client", "DuplicateRequestId", "FunctionsMissing",
            "JobCancelled", "JobFailed", "JobHandle", "JobState", "JobStatus", "ProtocolError",
@@ -241,6 +244,32 @@ class Client(ClientCore):
         result = self.result(request_id, timeout_s, model=kw.get("model"))
         return result.raise_for_error() if raise_on_error else result
 
+    def generate(self, prompt: str | None = None, *, timeout_s: float = 120.0,
+                 model: str | None = None, **options: Any) -> str:
+        """Submit a generation job and wait for its whole answer; returns the text.
+        ``prompt`` (raw text) or ``messages=[{"role": ..., "content": ...}]`` (a chat);
+        ``options``: ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
+        ``lane`` (PROTOCOL.md "Generation"). An error result raises JobFailed."""
+        rid = self.submit(_generation(prompt, options), content_type=CONTENT_TYPE,
+                          model=model, timeout_s=timeout_s, **_lane(options))
+        return str(self.result(rid, timeout_s, model=model).raise_for_error().output["text"])
+
+    def stream(self, prompt: str | None = None, *, timeout_s: float = 120.0,
+               model: str | None = None, **options: Any) -> Iterator[str]:
+        """As :meth:`generate`, yielding the answer's text as it comes (never half a
+        character). Reads the job's token stream on from the last chunk it saw, so a
+        dropped connection loses and repeats nothing (``producer/streaming.py``)."""
+        rid = self.submit(_generation(prompt, options), content_type=CONTENT_TYPE,
+                          model=model, timeout_s=timeout_s, **_lane(options))
+        reader = TokenReader(self.placed_keys(rid, model), rid, timeout_s)
+        last = None
+        while not reader.done:
+            for last in self._run(reader.next()):
+                if last.text:
+                    yield last.text
+        if last is not None and last.finish == "error":
+            self.result(rid, timeout_s, model=model).raise_for_error()
+
     def close(self) -> None:
         """Stop the reply readers and close the client's connections."""
         self._readers.stop()
@@ -371,6 +400,28 @@ class AsyncClient(ClientCore):
         result = await self.result(request_id, timeout_s, model=kw.get("model"))
         return result.raise_for_error() if raise_on_error else result
 
+    async def generate(self, prompt: str | None = None, *, timeout_s: float = 120.0,
+                       model: str | None = None, **options: Any) -> str:
+        """As :meth:`Client.generate`."""
+        rid = await self.submit(_generation(prompt, options), content_type=CONTENT_TYPE,
+                                model=model, timeout_s=timeout_s, **_lane(options))
+        result = await self.result(rid, timeout_s, model=model)
+        return str(result.raise_for_error().output["text"])
+
+    async def stream(self, prompt: str | None = None, *, timeout_s: float = 120.0,
+                     model: str | None = None, **options: Any) -> AsyncIterator[str]:
+        """As :meth:`Client.stream`."""
+        rid = await self.submit(_generation(prompt, options), content_type=CONTENT_TYPE,
+                                model=model, timeout_s=timeout_s, **_lane(options))
+        reader = TokenReader(self.placed_keys(rid, model), rid, timeout_s)
+        last = None
+        while not reader.done:
+            for last in await self._run(reader.next()):
+                if last.text:
+                    yield last.text
+        if last is not None and last.finish == "error":
+            (await self.result(rid, timeout_s, model=model)).raise_for_error()
+
     async def close(self) -> None:
         """Cancel the reply readers and close the client's connections."""
         await self._readers.stop()
@@ -400,3 +451,19 @@ class AsyncClient(ClientCore):
         finally:
             gathering.close()
 
+
+def _lane(options: dict[str, Any]) -> dict[str, Any]:
+    """The ``lane`` of a generation call's options, taken out of them."""
+    return {"lane": options.pop("lane")} if "lane" in options else {}
+
+
+def _generation(prompt: str | None, options: dict[str, Any]) -> bytes:
+    """The payload of a generation job, for ``submit`` (its content type is JSON)."""
+    messages = options.pop("messages", None)
+    known = {"max_new_tokens", "temperature", "top_p", "seed", "stop"}
+    if set(options) - known - {"lane"}:
+        raise ProtocolError(ErrorCode.BAD_INPUT,
+                            f"unknown options {sorted(set(options) - known - {'lane'})}")
+    return generation_payload(prompt, messages, options.get("max_new_tokens", 128),
+                              options.get("temperature", 0.0), options.get("top_p", 1.0),
+                              options.get("seed"), options.get("stop", ()))

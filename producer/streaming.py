@@ -1,0 +1,102 @@
+"""Reading a generation job's token stream (PROTOCOL.md "Token stream"), written once
+without I/O like the rest of the client's logic (``calls.py``): ``Client.stream`` runs it
+blocking, ``AsyncClient.stream`` awaits it.
+
+The reader keeps the last entry id it saw and reads on from it (``XREAD ... STREAMS key
+<last id>``), so a dropped connection costs nothing: the next read, on a new connection,
+starts where the last one ended, with no gap and no duplicate. While no chunk comes it
+looks at the job's result key: a job refused as it was read (``bad_input``, ...) has no
+stream, only its error result, which is raised as JobFailed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from redbatch.common.protocol import ErrorCode, Keys, ProtocolError, ResultEnvelope, Status
+from redbatch.common.protocol.generation import Chunk, GenerationRequest
+from redbatch.producer.calls import Command, Pause, Steps
+from redbatch.producer.errors import REDIS_PY_ERRORS, ResultTimeout, client_error
+
+#: Longest single XREAD block, ms (below every client's socket timeout).
+BLOCK_MS = 1_000
+#: Chunks one XREAD reads at most.
+READ_COUNT = 512
+#: Pause before reading again after a dropped connection, s.
+RECONNECT_PAUSE_S = 0.2
+
+
+def generation_payload(prompt: str | None, messages: Any, max_new_tokens: int,
+                       temperature: float, top_p: float, seed: int | None,
+                       stop: Any) -> bytes:
+    """The JSON payload of a generation job (PROTOCOL.md "Generation payload"); the worker
+    checks the values (``bad_input``), the client only builds it."""
+    if (prompt is None) == (messages is None):
+        raise ProtocolError(ErrorCode.BAD_INPUT, "give a prompt or messages, not both")
+    return GenerationRequest(None if messages is None else tuple(messages), prompt,
+                             max_new_tokens, temperature, top_p, seed,
+                             tuple(stop or ())).to_json()
+
+
+@dataclass(slots=True)
+class TokenReader:
+    """One job's token stream, read on from ``after`` until its last chunk."""
+
+    keys: Keys
+    request_id: str
+    timeout_s: float
+    deadline: float = 0.0
+    after: str = "0-0"
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        self.deadline = self.deadline or time.monotonic() + self.timeout_s
+
+    def next(self) -> Steps[list[Chunk]]:
+        """The next chunks (at least one, the last when ``done``). Raises ResultTimeout past
+        the deadline, JobFailed for a job answered with an error and no stream."""
+        key = self.keys.tokens(self.request_id)
+        while True:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise ResultTimeout(self.request_id, self.timeout_s)
+            block = max(1, int(min(BLOCK_MS, left * 1000)))
+            try:
+                reply = yield Command(("XREAD", "COUNT", READ_COUNT, "BLOCK", block,
+                                       "STREAMS", key, self.after),
+                                      due=time.monotonic() + block / 1000 + 5.0)
+                chunks = _chunks(reply)
+                if not chunks:
+                    raw = yield Command(("GET", self.keys.result(self.request_id)))
+                    _raise_if_failed(raw)
+                    continue
+            except (redis.ConnectionError, redis.TimeoutError):
+                yield Pause(RECONNECT_PAUSE_S)  # a new connection reads on from `after`
+                continue
+            except REDIS_PY_ERRORS as e:
+                raise client_error(e) from e
+            self.after = f"0-{chunks[-1].index}"
+            self.done = chunks[-1].finish is not None
+            return chunks
+
+
+def _chunks(reply: Any) -> list[Chunk]:
+    """The chunks of an XREAD reply of one stream, parsed by redis-py or raw (a RESP2
+    list, a RESP3 map; each entry ``(id, fields)``, fields a map or a flat list)."""
+    if not reply:
+        return []
+    entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
+    return [Chunk.read(entry_id, fields if isinstance(fields, dict) else
+                       dict(zip(fields[::2], fields[1::2], strict=True)))
+            for entry_id, fields in entries]
+
+
+def _raise_if_failed(raw: Any) -> None:
+    """Raise the error of a job answered without a stream (refused as it was read)."""
+    if isinstance(raw, bytes):
+        result = ResultEnvelope.decode(raw)
+        if result.status is not Status.OK:
+            result.raise_for_error()
