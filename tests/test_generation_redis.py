@@ -258,7 +258,6 @@ def test_a_job_a_dead_worker_streamed_half_of_goes_on_from_the_next_index(
     assert got[:3] == streamed and len(got) > 3
 
 
-@pytest.mark.full  # a second worker process to start and kill: ~50 s on a busy 2-core box
 def test_a_worker_killed_mid_generation_loses_nothing(gen: redis.Redis, redis_url: str,
                                                        tmp_path: Path) -> None:
     case = GOLDEN["cases"][1]
