@@ -18,6 +18,7 @@ from redbatch.cli.signals import signals_stop
 from redbatch.common.config import (
     GENERATION_MODELS,
     BatchSettings,
+    GenerationSettings,
     LimitSettings,
     ModelSettings,
     PoolSettings,
@@ -144,6 +145,24 @@ _tuning_options = together(
                             "batch limit."),
 )
 
+#: A chat model's (smollm2_135m) continuous batching; the other models ignore them.
+_generation_options = together(
+    opt("--max-running", env="MAX_RUNNING", type=click.IntRange(min=1, max=1024),
+        default=default_of(GenerationSettings, "max_running"),
+        help="Chat models: sequences in the running batch, at most."),
+    opt("--kv-memory-mib", env="KV_MEMORY_MIB", type=click.IntRange(min=1),
+        default=default_of(GenerationSettings, "kv_memory_mib"),
+        help="Chat models: memory of the KV cache, MiB; a job that cannot fit it whole is "
+             "answered too_many_tokens."),
+    opt("--max-new-tokens", env="MAX_NEW_TOKENS", type=click.IntRange(min=1, max=8192),
+        default=default_of(GenerationSettings, "max_new_tokens"),
+        help="Chat models: the largest max_new_tokens a job may ask for."),
+    opt("--stream-interval-ms", env="STREAM_INTERVAL_MS", type=click.FloatRange(min=0),
+        default=default_of(GenerationSettings, "stream_interval_ms"),
+        help="Chat models: a request's tokens are gathered this long into one token-stream "
+             "chunk, ms; 0 writes every step."),
+)
+
 
 @click.command()
 @o.worker_options
@@ -153,6 +172,7 @@ _tuning_options = together(
 @_job_options
 @_serve_options
 @_tuning_options
+@_generation_options
 @o.LOG_FORMAT()
 def worker(**options: Any) -> None:
     """Serve a model (or several: --model A --model B): read jobs, batch them, write
@@ -237,6 +257,10 @@ def build_settings(options: dict[str, Any]) -> Settings:
         warmup_timeout_s=options["warmup_timeout_s"],
         result_replicas=options["result_replicas"],
         result_wait_ms=options["result_wait_ms"],
+        generation=GenerationSettings(max_running=options["max_running"],
+                                      kv_memory_mib=options["kv_memory_mib"],
+                                      max_new_tokens=options["max_new_tokens"],
+                                      stream_interval_ms=options["stream_interval_ms"]),
     )
 
 

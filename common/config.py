@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Literal
 from urllib.parse import SplitResult, unquote_plus, urlsplit, urlunsplit
 
 from redbatch.common.protocol import DEFAULT_PREFIX, validate_name
+from redbatch.common.protocol.generation import MAX_NEW_TOKENS
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 DEFAULT_MODEL = "efficientnet_lite0"
@@ -403,7 +404,7 @@ class GenerationSettings:
     #: 0 writes every step's tokens.
     stream_interval_ms: float = 20.0
     #: Largest max_new_tokens a job may ask for (PROTOCOL.md "Generation limits").
-    max_new_tokens: int = 1_024
+    max_new_tokens: int = MAX_NEW_TOKENS
     #: Sequences in the running batch, at most; and jobs read ahead of it.
     max_running: int = 32
     #: Memory of the KV cache, MiB (its blocks follow from it).

@@ -117,7 +117,8 @@ def parse_request(payload: bytes, max_new_tokens: int = MAX_NEW_TOKENS) -> Gener
     seed = data.get("seed")
     return GenerationRequest(
         messages, prompt,
-        _int(data.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS), "max_new_tokens", 1,
+        _int(data.get("max_new_tokens", min(DEFAULT_MAX_NEW_TOKENS, max_new_tokens)),
+             "max_new_tokens", 1,
              max_new_tokens),
         temperature, top_p, None if seed is None else _int(seed, "seed", 0, MAX_SEED),
         _stops(data.get("stop", [])))
