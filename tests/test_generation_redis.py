@@ -15,9 +15,11 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +28,14 @@ from typing import Any
 import msgpack
 import pytest
 import redis
+from deploy_files import (
+    GENERATION_DASHBOARD,
+    dashboard_queries,
+    exposition_series,
+    load_dashboards,
+    metric_names,
+)
+from prometheus_client.parser import text_string_to_metric_families
 from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
 from redbatch.common.protocol import GROUP, JobEnvelope, Keys, Lane
 from redbatch.common.protocol.generation import Chunk
@@ -37,9 +47,19 @@ GOLDEN = json.loads((Path(__file__).parent / "data" / "smollm2_golden.json").rea
 WAIT_S = 120
 
 
-def _worker(redis_url: str, log: Path) -> Any:
+#: The module worker's /metrics address.
+METRICS: dict[str, str] = {}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(redis_url: str, log: Path, metrics_port: int = 0) -> Any:
     with open(log, "wb") as out:
-        proc = spawn_worker(redis_url, ["--model", MODEL, "--metrics-port", "0",
+        proc = spawn_worker(redis_url, ["--model", MODEL, "--metrics-port", str(metrics_port),
                                         "--calibrate", "off", "--reclaim-idle-ms", "1500"],
                             stdout=out, stderr=out)
     return proc
@@ -51,7 +71,9 @@ def gen(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[re
     r = redis.Redis.from_url(redis_url)
     r.flushall()
     log = tmp_path_factory.mktemp("gen") / "worker.log"
-    proc = _worker(redis_url, log)
+    port = free_port()
+    METRICS["url"] = f"http://127.0.0.1:{port}"
+    proc = _worker(redis_url, log, port)
     try:
         wait_worker_ready(redis_url, KEYS, proc)
         yield r
@@ -122,6 +144,30 @@ def test_greedy_answers_through_redis_equal_the_reference(gen: redis.Redis) -> N
             assert out["text"] == case["output_text"]
         assert out["prompt_tokens"] == len(case["input_ids"])
         check_stream(gen, rid, out)
+
+
+def test_metrics_count_tokens_ttft_and_the_batch(gen: redis.Redis) -> None:
+    """After the greedy answers: tokens, time to first token, steps and the KV cache are on
+    /metrics, and the worker is ready."""
+    rid = submit(gen, {"prompt": "The capital of France is", "max_new_tokens": 4})
+    assert result(gen, rid)["status"] == "ok"
+    with urllib.request.urlopen(METRICS["url"] + "/readyz", timeout=5) as reply:
+        assert reply.status == 200
+    with urllib.request.urlopen(METRICS["url"] + "/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    got = {s.name + "".join(f",{k}={v}" for k, v in sorted(s.labels.items()) if k != "model"):
+           s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    assert got["redbatch_generated_tokens_total"] >= 4
+    assert got["redbatch_time_to_first_token_seconds_count"] >= 1
+    assert got["redbatch_inter_token_seconds_count"] >= 1
+    assert got["redbatch_generation_steps_total"] >= 1
+    assert got["redbatch_prompt_tokens_total,kind=computed"] >= 5
+    assert got["redbatch_kv_blocks"] > 0
+    assert got["redbatch_requests_total,lane=interactive,outcome=ok"] >= 1
+    assert "redbatch_running_sequences" in got and "redbatch_kv_blocks_used" in got
+    queries = dashboard_queries(load_dashboards()[GENERATION_DASHBOARD])
+    series, _ = exposition_series(text)
+    assert set().union(*map(metric_names, queries)) <= series
 
 
 def test_a_dropped_reader_reads_on_with_no_gap_and_no_duplicate(gen: redis.Redis,

@@ -20,6 +20,8 @@ worker, threads, events, outbox) may use every room:
     tuning/         calibration; may use device/
     generation/     continuous batching of a generative model (scheduler, KV blocks, model,
                     engine): torch, never redis, nothing else of the worker
+    generating/     the generation worker: generation/ driven by streams/ (and start-up's
+                    connections), in threads
     metrics.py      a leaf every room may use
 """
 
@@ -51,6 +53,7 @@ ROOMS = {
     "device": {"tuning.profile"},
     "tuning": {"device", "tuning"},
     "generation": set(),
+    "generating": {"generation", "streams", "metrics", "startup"},
 }
 #: Third-party imports a room must never make.
 FORBIDDEN = {"batching": {"redis", "torch"}, "device": {"redis"}, "streams": {"torch"},

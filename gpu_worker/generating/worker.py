@@ -22,30 +22,30 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from contextlib import ExitStack
 from typing import Any
 
 import redis
+from redbatch import __version__
 from redbatch.common.config import Settings
-from redbatch.common.protocol import ErrorCode, Keys, ProtocolError
-from redbatch.common.protocol.generation import Chunk, GenerationRequest, parse_payload
+from redbatch.common.protocol import Keys, ProtocolError
+from redbatch.common.protocol.errors import ErrorCode
+from redbatch.common.protocol.generation import GenerationRequest, parse_payload
 from redbatch.common.protocol.keys import stream_partition
 from redbatch.common.redis_io import connect
-from redbatch.gpu_worker.generation.engine import (
-    Engine,
-    EngineConfig,
-    GenerationError,
-    StepOutput,
-)
+from redbatch.gpu_worker.generating.metrics import GenerationMetrics
+from redbatch.gpu_worker.generating.writing import Gen, WriteState, gen_chunk, result_of
+from redbatch.gpu_worker.generation.engine import Engine, EngineConfig, GenerationError
 from redbatch.gpu_worker.generation.model import Llama, load_weights
 from redbatch.gpu_worker.generation.sampling import SamplingParams
-from redbatch.gpu_worker.generation.scheduler import Finish, SchedulerConfig
-from redbatch.gpu_worker.metrics import Health, WorkerMetrics
-from redbatch.gpu_worker.startup import connect_model
+from redbatch.gpu_worker.generation.scheduler import SchedulerConfig
+from redbatch.gpu_worker.metrics import Health, MetricsServer, WorkerMetrics
+from redbatch.gpu_worker.startup import connect_model, connect_waiting
 from redbatch.gpu_worker.streams.heartbeat import Heartbeat
 from redbatch.gpu_worker.streams.intake import Intake, Job
 from redbatch.gpu_worker.streams.reclaim import Leases
 from redbatch.gpu_worker.streams.results import Answer, ResultWriter
+from redbatch.gpu_worker.streams.sampler import Sampler
 from redbatch.gpu_worker.streams.tokens import TokenStreams
 from redbatch.handlers import smollm2
 
@@ -55,45 +55,6 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.05
 #: Back-off after a failed write, s.
 RETRY_S = 0.5
-
-
-@dataclass(slots=True, eq=False)
-class Gen:
-    """One generation job in the worker: its job, its tokens, what was sent of them."""
-
-    job: Job
-    keys: Keys
-    prompt: list[int]
-    params: SamplingParams
-    replay: list[int] = field(default_factory=list)
-    next_index: int = 1
-    tokens: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    pending_tokens: list[int] = field(default_factory=list)
-    pending_text: list[str] = field(default_factory=list)
-    last: StepOutput | Chunk | None = None
-    """Its last output once it ended (a Chunk: the stream already held its end)."""
-    unsent: list[Chunk] = field(default_factory=list)
-    """Chunks numbered and not yet in Redis: sent again as they are until they are."""
-    closed: bool = False
-    """Its last chunk is made."""
-    cancel_sent: bool = False
-    started_s: float = field(default_factory=time.monotonic)
-
-    @property
-    def rid(self) -> str:
-        return self.job.request_id
-
-    @property
-    def token_key(self) -> str:
-        return self.keys.tokens(self.rid)
-
-
-@dataclass(frozen=True, slots=True)
-class _Outcome:
-    output: Any
-    error: ErrorCode | None = None
-    message: str = ""
 
 
 def request_prompt(req: GenerationRequest) -> list[int]:
@@ -116,6 +77,9 @@ class GenerationWorker:
         self._leases = Leases()
         self._inflight = 0
         self._lock = threading.Lock()
+        self._health = Health()
+        self._metrics: WorkerMetrics | None = None
+        self._gen_metrics: GenerationMetrics | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -126,22 +90,45 @@ class GenerationWorker:
 
     def run(self) -> None:
         """Load the model, connect, serve until stopped, always stop the threads."""
-        s, g = self.settings, self.settings.generation
+        s = self.settings
         logger.info("starting generation worker %s for %s", s.consumer, s.model.served_name)
-        model = Llama(load_weights())
-        engine = Engine(model, smollm2.decode, EngineConfig(
+        self._metrics = metrics = WorkerMetrics(s.model.served_name, s.generation.max_running)
+        with ExitStack() as stack:
+            server = MetricsServer(metrics, self._health)
+            metrics_on = bool(s.metrics_port) and server.start(s.metrics_host, s.metrics_port)
+            stack.callback(server.close)
+            engine = self._engine()
+            self._gen_metrics = GenerationMetrics(metrics.registry, s.model.served_name,
+                                                  engine.pool.blocks)
+            metrics.started(s.consumer, __version__, "cpu", 0, 0)
+            self._health.model_loaded = True
+            intake, writer = connect_model(s, metrics, self._health, self._stop)
+            tokens = TokenStreams(connect(s.redis), s.consumer, s.result_ttl_s * 1000)
+            beat = Heartbeat.for_worker(connect(s.redis), intake.keys, s.consumer, "cpu",
+                                        s.generation.max_running, lambda: self._inflight,
+                                        server.port if metrics_on else None,
+                                        health=self._health)
+            sampler = Sampler(connect_waiting(s.redis, self._stop), intake.keys, metrics,
+                              self._health, "cpu")
+            self._serve(engine, intake, writer, tokens, beat, sampler)
+
+    def _engine(self) -> Engine:
+        g = self.settings.generation
+        return Engine(Llama(load_weights()), smollm2.decode, EngineConfig(
             kv_memory_bytes=g.kv_memory_mib * 2**20,
             scheduler=SchedulerConfig(max_running=g.max_running,
                                       max_step_tokens=max(256, g.max_running))))
-        metrics = WorkerMetrics(s.model.served_name, g.max_running)
-        intake, writer = connect_model(s, metrics, Health(), self._stop)
-        tokens = TokenStreams(connect(s.redis), s.consumer, s.result_ttl_s * 1000)
-        beat = Heartbeat.for_worker(connect(s.redis), intake.keys, s.consumer, "cpu",
-                                    g.max_running, lambda: self._inflight)
+
+    def _serve(self, engine: Engine, intake: Intake, writer: ResultWriter,
+               tokens: TokenStreams, beat: Heartbeat, sampler: Sampler) -> None:
+        """Run the three threads (and the heartbeat, the sampler) until stopped; then give
+        what runs the shutdown grace, and join them."""
+        s = self.settings
         threads = [threading.Thread(target=fn, name=f"redbatch-gen-{name}", daemon=True)
                    for name, fn in (("reader", lambda: self._read(intake, writer, tokens)),
                                     ("engine", lambda: self._compute(engine)),
-                                    ("writer", lambda: self._write(writer, tokens)))]
+                                    ("writer", lambda: self._write(writer, tokens)),
+                                    ("sampler", lambda: sampler.run(self._abort)))]
         beat.start()
         for t in threads:
             t.start()
@@ -149,6 +136,7 @@ class GenerationWorker:
         try:
             while not self._stop.wait(IDLE_WAIT_S):
                 pass
+            self._health.stopping = True
             deadline = time.monotonic() + s.shutdown_grace_s
             while self._inflight and time.monotonic() < deadline and not self._abort.is_set():
                 time.sleep(IDLE_WAIT_S)
@@ -239,7 +227,10 @@ class GenerationWorker:
 
     def _compute(self, engine: Engine) -> None:
         """The compute loop: nothing here waits on Redis."""
+        gm = self._gen_metrics
+        assert gm is not None
         while not self._abort.is_set():
+            self._health.stepped()
             self._take_new(engine, block=not engine.has_work())
             while True:
                 try:
@@ -247,6 +238,7 @@ class GenerationWorker:
                 except queue.Empty:
                     break
             if engine.has_work():
+                started = time.monotonic()
                 try:
                     outputs = engine.step()
                 except Exception:
@@ -254,6 +246,9 @@ class GenerationWorker:
                     self._outbox.put(("crash", None))
                     return
                 self._outbox.put(("step", outputs))
+                sched = engine.scheduler
+                gm.step(outputs, time.monotonic() - started, len(sched.running),
+                        len(sched.waiting), engine.pool.used)
 
     def _take_new(self, engine: Engine, block: bool) -> None:
         try:
@@ -278,7 +273,7 @@ class GenerationWorker:
         """Coalesce, then one round trip for the chunks, stop keys and leases; then the
         results of what ended, with their ack. Nothing is lost to a failed write: a chunk
         keeps its index until Redis has it, an answer stays until it is written."""
-        state = _WriteState()
+        state = WriteState()
         interval = self.settings.generation.stream_interval_ms / 1000
         renew_s = self.settings.reclaim_idle_ms / 3000
         last_flush = 0.0
@@ -295,7 +290,7 @@ class GenerationWorker:
                 logger.warning("writing token chunks or results failed (%s); retrying", e)
                 self._abort.wait(RETRY_S)
 
-    def _drain(self, state: _WriteState, writer: ResultWriter) -> None:
+    def _drain(self, state: WriteState, writer: ResultWriter) -> None:
         """Take every message the outbox holds (waiting a little for the first)."""
         try:
             kind, item = self._outbox.get(timeout=IDLE_WAIT_S)
@@ -310,7 +305,7 @@ class GenerationWorker:
             except queue.Empty:
                 return
 
-    def _flush(self, state: _WriteState, writer: ResultWriter, tokens: TokenStreams,
+    def _flush(self, state: WriteState, writer: ResultWriter, tokens: TokenStreams,
                leases: dict[str, list[bytes]]) -> None:
         for gen in state.gens.values():
             gen_chunk(gen)
@@ -331,6 +326,10 @@ class GenerationWorker:
         retry = {id(a) for a in (*flushed.held, *flushed.failed)}
         done = [a for a in answers if id(a) not in retry]
         self._leases.release((a.stream, a.entry_id) for a in done)
+        if self._metrics is not None:
+            self._metrics.answered((stream_partition(a.stream)[1].value, a.outcome, a.timings,
+                                    a.dead_letter is not None) for a in done)
+            self._metrics.dead_lettered.inc(flushed.undeliverable)
         finished = {a.request_id for a in done}
         self._add_inflight(-sum(1 for g in state.ended if g.rid in finished))
         self._add_inflight(-sum(1 for a in state.answers if id(a) not in retry
@@ -342,81 +341,3 @@ class GenerationWorker:
         state.answers = [a for a in state.answers if id(a) in retry]
 
 
-@dataclass(slots=True)
-class _WriteState:
-    """The writer thread's own: running requests, those ended, answers to write."""
-
-    gens: dict[str, Gen] = field(default_factory=dict)
-    ended: list[Gen] = field(default_factory=list)
-    answers: list[Answer] = field(default_factory=list)
-    counted: set[str] = field(default_factory=set)
-    """Request ids of answers that hold an in-flight place (refused by the engine)."""
-
-    def take(self, kind: str, item: Any, writer: ResultWriter) -> None:
-        if kind == "start":
-            self.gens[item.rid] = item
-        elif kind == "end":
-            self.gens[item.rid] = item
-            self.ended.append(item)
-        elif kind == "answers":
-            self.answers += item
-        elif kind == "refused":
-            gen, e = item
-            self.gens.pop(gen.rid, None)
-            self.counted.add(gen.rid)
-            self.answers.append(writer.failed(gen.job, e.code, str(e)))
-        elif kind == "step":
-            for out in item:
-                gen = self.gens.get(out.request_id)
-                if gen is None:
-                    continue
-                gen.pending_tokens += out.token_ids
-                gen.pending_text.append(out.text)
-                if out.finish is not None:
-                    gen.last = out
-                    self.ended.append(gen)
-        elif kind == "crash":
-            for gen in self.gens.values():
-                if gen.last is None:
-                    gen.last = StepOutput(gen.rid, [], "", Finish.ERROR, len(gen.prompt))
-                    self.ended.append(gen)
-
-
-def gen_chunk(gen: Gen) -> None:
-    """Move what is pending into a new chunk (the last, once it ended), numbered now."""
-    out = gen.last if isinstance(gen.last, StepOutput) else None
-    if not gen.pending_tokens and not gen.pending_text and (out is None or gen.closed):
-        return
-    text = "".join(gen.pending_text)
-    gen.tokens += gen.pending_tokens
-    gen.text.append(text)
-    chunk = Chunk(gen.next_index, gen.pending_tokens, text)
-    if out is not None:
-        gen.closed = True
-        chunk = Chunk(gen.next_index, gen.pending_tokens, text, str(out.finish),
-                      len(gen.prompt), len(gen.tokens), out.cached_tokens, _ms(out.ttft_s),
-                      ErrorCode.INTERNAL.value if out.finish == Finish.ERROR else None)
-    gen.unsent.append(chunk)
-    gen.next_index += 1
-    gen.pending_tokens, gen.pending_text = [], []
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds * 1000, 3)
-
-
-def result_of(gen: Gen, writer: ResultWriter) -> Answer:
-    """The job's result: the whole answer (PROTOCOL.md "Generation result")."""
-    last = gen.last
-    if isinstance(last, StepOutput):
-        finish, cached, ttft = str(last.finish), last.cached_tokens, _ms(last.ttft_s)
-    else:
-        assert last is not None
-        finish, cached, ttft = last.finish or "length", last.cached_tokens, last.ttft_ms
-    if finish == Finish.ERROR:
-        return writer.failed(gen.job, ErrorCode.INTERNAL, "the generation step failed")
-    output = {"text": "".join(gen.text), "finish_reason": finish, "token_ids": gen.tokens,
-              "prompt_tokens": len(gen.prompt), "completion_tokens": len(gen.tokens),
-              "cached_tokens": cached, "ttft_ms": ttft}
-    ran_ms = (time.monotonic() - gen.started_s) * 1000
-    return writer.ran([gen.job], [_Outcome(output)], [0.0], ran_ms)[0]
