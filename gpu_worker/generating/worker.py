@@ -26,6 +26,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import redis
+import torch
 from redbatch import __version__
 from redbatch.common.config import Settings
 from redbatch.common.protocol import Keys, ProtocolError
@@ -113,11 +114,18 @@ class GenerationWorker:
             self._serve(engine, intake, writer, tokens, beat, sampler)
 
     def _engine(self) -> Engine:
-        g = self.settings.generation
-        return Engine(Llama(load_weights()), smollm2.decode, EngineConfig(
+        """The model loaded (on the CPU, with --torch-threads when given) and its engine."""
+        g, threads = self.settings.generation, self.settings.model.torch_threads
+        if threads > 0:
+            torch.set_num_threads(threads)
+        engine = Engine(Llama(load_weights()), smollm2.decode, EngineConfig(
             kv_memory_bytes=g.kv_memory_mib * 2**20,
             scheduler=SchedulerConfig(max_running=g.max_running,
                                       max_step_tokens=max(256, g.max_running))))
+        logger.info("model ready: device=cpu torch_threads=%d max_running=%d kv_blocks=%d "
+                    "stream_interval_ms=%g", torch.get_num_threads(), g.max_running,
+                    engine.pool.blocks, g.stream_interval_ms)
+        return engine
 
     def _serve(self, engine: Engine, intake: Intake, writer: ResultWriter,
                tokens: TokenStreams, beat: Heartbeat, sampler: Sampler) -> None:
@@ -280,8 +288,11 @@ class GenerationWorker:
         while not self._abort.is_set():
             self._drain(state, writer)
             now = time.monotonic()
+            # A first token goes out at once (time to first token); the rest coalesce.
             if not (state.ended or state.answers
-                    or (state.gens and now - last_flush >= interval)):
+                    or (state.gens and now - last_flush >= interval)
+                    or any(g.next_index == 1 and g.pending_tokens
+                           for g in state.gens.values())):
                 continue
             try:
                 self._flush(state, writer, tokens, self._leases.due(renew_s))
@@ -337,6 +348,7 @@ class GenerationWorker:
         for g in state.ended:
             if g.rid in finished:
                 state.gens.pop(g.rid, None)
+        tokens.forget(g.token_key for g in state.ended if g.rid in finished)
         state.ended = [g for g in state.ended if g.rid not in finished]
         state.answers = [a for a in state.answers if id(a) in retry]
 
