@@ -151,6 +151,17 @@ class _NodesManager(redis.cluster.NodesManager):
         except redis.exceptions.RedisClusterException as e:
             raise redis.ConnectionError(str(e)) from None
 
+    # redis-py 8 remembers that the last slot-map read reached no node and then raises a
+    # command's, pipeline's or transaction's ConnectionError as RedisClusterUnreachableError
+    # (no RedisError) in its stead. Never remembering it keeps those a ConnectionError.
+    @property
+    def _last_refresh_unreachable_args(self) -> None:
+        return None
+
+    @_last_refresh_unreachable_args.setter
+    def _last_refresh_unreachable_args(self, value: object) -> None:
+        pass
+
 
 class _AsyncNodesManager(aiocluster.NodesManager):
     """:class:`_NodesManager` of the asyncio client."""
@@ -162,6 +173,14 @@ class _AsyncNodesManager(aiocluster.NodesManager):
             return await super().initialize(*args, **kwargs)
         except redis.exceptions.RedisClusterException as e:
             raise redis.ConnectionError(str(e)) from None
+
+    @property
+    def _last_refresh_unreachable_args(self) -> None:
+        return None
+
+    @_last_refresh_unreachable_args.setter
+    def _last_refresh_unreachable_args(self, value: object) -> None:
+        pass
 
 
 def _unreachable_as_connection_error(nodes_manager: Any) -> None:

@@ -208,6 +208,9 @@ def test_workers_wait_out_a_cluster_that_is_away(
         for _ in range(3):  # what the code catches as Redis being away, never another type
             with pytest.raises(redis.ConnectionError):
                 probe.get("x")
+            with pytest.raises(redis.ConnectionError):  # redis-py 8 raised another type here
+                with probe.pipeline(transaction=True) as pipe:
+                    pipe.set("{x}a", 1).set("{x}b", 2).execute()
             with pytest.raises(redis.ConnectionError):
                 asyncio.run(_async_get(cluster.url))
         probe.close()
