@@ -196,6 +196,8 @@ def worker(**options: Any) -> None:
         g = GenerationWorker(settings)
         with signals_stop(g.stop, g.abort):
             g.run()
+        if g.device_failed:
+            exit_now(DEVICE_EXIT_CODE)
         return
     w = Worker(settings)
     with signals_stop(w.stop, w.abort) as seen:

@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from typing import Any
 
 import redis
@@ -34,6 +34,7 @@ from redbatch.common.protocol.errors import ErrorCode
 from redbatch.common.protocol.generation import GenerationRequest, parse_payload
 from redbatch.common.protocol.keys import stream_partition
 from redbatch.common.redis_io import connect
+from redbatch.gpu_worker.device.watchdog import Watchdog
 from redbatch.gpu_worker.generating.metrics import GenerationMetrics
 from redbatch.gpu_worker.generating.writing import Gen, WriteState, gen_chunk, result_of
 from redbatch.gpu_worker.generation.engine import Engine, EngineConfig, GenerationError
@@ -81,6 +82,8 @@ class GenerationWorker:
         self._health = Health()
         self._metrics: WorkerMetrics | None = None
         self._gen_metrics: GenerationMetrics | None = None
+        #: A step raised: the process should exit DEVICE_EXIT_CODE (cli/worker.py does).
+        self.device_failed = False
 
     def stop(self) -> None:
         self._stop.set()
@@ -99,6 +102,8 @@ class GenerationWorker:
             metrics_on = bool(s.metrics_port) and server.start(s.metrics_host, s.metrics_port)
             stack.callback(server.close)
             engine = self._engine()
+            # A step that never returns (a hung device) ends the process with code 3.
+            self._watchdog = stack.enter_context(closing(Watchdog(s.batch_timeout_s)))
             self._gen_metrics = GenerationMetrics(metrics.registry, s.model.served_name,
                                                   engine.pool.blocks)
             metrics.started(s.consumer, __version__, "cpu", 0, 0)
@@ -248,15 +253,26 @@ class GenerationWorker:
             if engine.has_work():
                 started = time.monotonic()
                 try:
-                    outputs = engine.step()
-                except Exception:
-                    logger.exception("a generation step failed")
-                    self._outbox.put(("crash", None))
+                    with self._watchdog.watch("generation step"):
+                        outputs = engine.step()
+                except Exception as e:
+                    self._device_lost(e)
                     return
                 self._outbox.put(("step", outputs))
                 sched = engine.scheduler
                 gm.step(outputs, time.monotonic() - started, len(sched.running),
                         len(sched.waiting), engine.pool.used)
+
+    def _device_lost(self, e: Exception) -> None:
+        """A step raised: the device (or the model on it) cannot be trusted any more, as
+        the image worker's DeviceLost. Leave at once for a restart; what runs stays
+        pending, and whoever takes it over goes on from its token stream."""
+        logger.critical("device failure in a generation step, exiting for a restart "
+                        "(generations in flight stay pending and are taken over from their "
+                        "token streams): %s: %s", type(e).__name__, e)
+        logger.debug("the failed step", exc_info=e)
+        self.device_failed = True
+        self.abort()
 
     def _take_new(self, engine: Engine, block: bool) -> None:
         try:
@@ -309,8 +325,6 @@ class GenerationWorker:
             return
         while True:
             state.take(kind, item, writer)
-            if kind == "crash":
-                self._stop.set()
             try:
                 kind, item = self._outbox.get_nowait()
             except queue.Empty:

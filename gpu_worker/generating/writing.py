@@ -92,11 +92,6 @@ class WriteState:
                 if out.finish is not None:
                     gen.last = out
                     self.ended.append(gen)
-        elif kind == "crash":
-            for gen in self.gens.values():
-                if gen.last is None:
-                    gen.last = StepOutput(gen.rid, [], "", Finish.ERROR, len(gen.prompt))
-                    self.ended.append(gen)
 
 
 def gen_chunk(gen: Gen) -> None:
