@@ -49,8 +49,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from redbatch.common.protocol import JobEnvelope, Lane, ResultEnvelope
 from redbatch.common.redis_io import REDIS_ERRORS, RedisUnavailable
@@ -249,7 +250,7 @@ class BulkScorer:
         self._exhausted = len(fresh) < n
         return [Waiting(item) for item in fresh]
 
-    def _read(self, item: Item) -> bytes | str | None:
+    def _read(self, item: Item) -> bytes | str | Mapping[str, Any] | None:
         """The item's payload; None (its error record written) when it cannot be sent."""
         data = read_payload(item, self.settings.max_payload_bytes)
         if isinstance(data, Unsendable):

@@ -3,7 +3,8 @@
 A manifest names files (``.txt``: a path a line; ``.jsonl``: ``{"id", "path"}``) or, for a
 text model, holds the texts themselves (``.jsonl``: ``{"id", "text"}``; ``.txt`` with
 ``texts=True``, ``score --texts``: a text a line, its id the manifest's name and the line
-number).
+number) or, for a chat model, the prompts (``.jsonl``: ``{"id", "prompt"}`` or ``{"id",
+"messages"}``, with the request's other fields: ``max_new_tokens``, ``temperature``, ...).
 
 Nothing here holds the whole input list: folders are walked lazily and
 manifests read line by line, so a million inputs cost no more memory than ten.
@@ -13,9 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
 MANIFEST_SUFFIXES = frozenset({".txt", ".jsonl"})
@@ -24,11 +26,14 @@ MANIFEST_SUFFIXES = frozenset({".txt", ".jsonl"})
 @dataclass(frozen=True, slots=True)
 class Item:
     """One input: ``id`` names it in the output (and for --resume); ``path`` is read and sent,
-    or, for a text of a manifest, ``text`` is sent and ``path`` is empty."""
+    or, for a text of a manifest, ``text`` is sent and ``path`` is empty, or, for a prompt
+    of a manifest, ``request`` (a generation request, PROTOCOL.md "Generation") is sent as
+    JSON and ``path`` is empty."""
 
     id: str
     path: str
     text: str | None = None
+    request: Mapping[str, Any] | None = None
 
 
 class ManifestError(ValueError):
@@ -43,14 +48,20 @@ class Unsendable:
     message: str
 
 
-def read_payload(item: Item, max_bytes: int) -> bytes | str | Unsendable:
-    """The item's payload: its text, or its file's bytes (``max_bytes`` at most); or why it
+def read_payload(item: Item,
+                 max_bytes: int) -> bytes | str | Mapping[str, Any] | Unsendable:
+    """The item's payload: its text, its request, or its file's bytes (``max_bytes`` at
+    most); or why it
     cannot be sent: the file cannot be read (``unreadable_file``) or either is over the
     limit (``payload_too_large``)."""
     if item.text is not None:
         if len(item.text.encode()) <= max_bytes:
             return item.text
         return Unsendable("payload_too_large", f"text is longer than {max_bytes} bytes")
+    if item.request is not None:  # sent as JSON; the worker checks its fields (bad_input)
+        if len(json.dumps(item.request, ensure_ascii=False).encode()) <= max_bytes:
+            return item.request
+        return Unsendable("payload_too_large", f"request is longer than {max_bytes} bytes")
     try:
         with open(item.path, "rb") as f:
             data = f.read(max_bytes + 1)
@@ -137,10 +148,12 @@ def _jsonl_manifest(manifest: Path) -> Iterator[Item]:
             yield _jsonl_item(manifest, json.loads(line))
         except (ValueError, KeyError, TypeError) as e:
             raise ManifestError(f"{manifest}:{number}: expected an object with 'id' and "
-                                f"'path' or 'text' ({e})") from e
+                                f"'path', 'text', 'prompt' or 'messages' ({e})") from e
 
 
 def _jsonl_item(manifest: Path, row: dict[str, object]) -> Item:
+    if "prompt" in row or "messages" in row:
+        return Item(str(row["id"]), "", request={k: v for k, v in row.items() if k != "id"})
     if "text" not in row:
         return Item(str(row["id"]), _resolve(manifest, str(row["path"])))
     text = row["text"]

@@ -20,7 +20,7 @@ from redbatch.common.protocol import ErrorCode, ResultEnvelope
 
 FORMATS = ("jsonl", "csv")
 CSV_COLUMNS = ["id", "path", "status", "label", "class_id", "score", "error_code",
-               "error_message", "latency_ms", "batch_size", "worker"]
+               "error_message", "latency_ms", "batch_size", "worker", "text"]
 
 
 def record(item_id: str, path: str, status: str, *, output: Any = None,
@@ -55,7 +55,8 @@ def _csv_row(rec: dict[str, Any]) -> list[Any]:
     err = rec.get("error") or {}
     return [rec["id"], rec["path"], rec["status"], out.get("label", ""), out.get("class_id", ""),
             out.get("score", ""), err.get("code", ""), err.get("message", ""),
-            rec.get("latency_ms", ""), rec.get("batch_size", ""), rec.get("worker", "")]
+            rec.get("latency_ms", ""), rec.get("batch_size", ""), rec.get("worker", ""),
+            out.get("text", "")]
 
 
 class OutputWriter:

@@ -265,6 +265,37 @@ def test_the_generate_command_streams_the_answer(gen: redis.Redis, redis_url: st
     assert out.stdout.decode() == "The capital of France is Paris.\n"
 
 
+def test_score_answers_a_manifest_of_prompts(gen: redis.Redis, redis_url: str,
+                                             tmp_path: Path) -> None:
+    """``redbatch score`` over a JSONL of prompts (issue 31): one record a prompt, the
+    greedy answers the reference's; a row with a field the protocol does not know is an
+    error record (bad_input), counted in the summary, the run's exit 1 past the error rate."""
+    cases = GOLDEN["cases"][:3]
+    rows = [{"id": f"q{i}", "messages": c["messages"], "max_new_tokens": GOLDEN["max_new_tokens"]}
+            for i, c in enumerate(cases)]
+    rows.append({"id": "bad", "prompt": "Hello", "max_tokens": 5})
+    manifest = tmp_path / "prompts.jsonl"
+    manifest.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "answers.jsonl"
+
+    def score(*args: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run([sys.executable, "-m", "redbatch.cli", "score", str(manifest),
+                               "-o", str(out), "--redis", redis_url, "--model", MODEL, *args],
+                              capture_output=True, timeout=WAIT_S)
+
+    run = score("--max-error-rate", "0.5")
+    assert run.returncode == 0, run.stderr.decode()
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(records) == {"q0", "q1", "q2", "bad"}
+    for i, case in enumerate(cases):
+        assert records[f"q{i}"]["status"] == "ok", records[f"q{i}"]
+        assert records[f"q{i}"]["output"]["text"] == case["output_text"]
+    assert records["bad"]["error"]["code"] == "bad_input", records["bad"]
+    assert "bad_input: 1" in run.stderr.decode()
+    out.unlink()
+    assert score("--max-error-rate", "0").returncode == 1
+
+
 def _holder(r: redis.Redis, rid: str) -> str | None:
     """The consumer holding the job of ``rid`` (its pending entry), if any."""
     for lane in Lane:
