@@ -40,6 +40,7 @@ from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_read
 from redbatch.common.protocol import GROUP, JobEnvelope, Keys, Lane
 from redbatch.common.protocol.generation import Chunk
 from redbatch.producer.client import AsyncClient, Client, JobFailed, RedbatchError
+from test_foreign_client import node_client, run_client  # noqa: F401
 
 MODEL = "smollm2_135m"
 KEYS = Keys(MODEL)
@@ -294,6 +295,37 @@ def test_score_answers_a_manifest_of_prompts(gen: redis.Redis, redis_url: str,
     assert "bad_input: 1" in run.stderr.decode()
     out.unlink()
     assert score("--max-error-rate", "0").returncode == 1
+
+
+def test_a_node_client_written_from_the_page_streams_an_answer(
+        gen: redis.Redis, redis_url: str, request: pytest.FixtureRequest) -> None:
+    """The Node client (tests/clients/node/submit.mjs, written from PROTOCOL.md alone)
+    admits a chat job through the page's admission function, reads its token stream two
+    entries a read (bounded XREAD BLOCK, on from the last id) until the entry with
+    ``finish``, then waits for the result as for any job: it printed the result's text and
+    tokens, chunk by chunk, and 12 tokens end ``length``. A job with no stream ends the
+    read at its result."""
+    script: Path = request.getfixturevalue("node_client")  # test_foreign_client's: npm ci
+    rid = f"node-{uuid.uuid4().hex}"
+    out = run_client(script, redis_url, "--stream", CHAT[0]["content"], MODEL,
+                     "--max-new-tokens=12", "--count=2", f"--rid={rid}")
+    assert (out["id"], out["status"], out["error_code"]) == (rid, "ok", None), out
+    output, stream = out["result"]["output"], out["stream"]
+    assert out["finish_reason"] == output["finish_reason"] == stream["finish"] == "length"
+    assert stream["text"] == output["text"] and len(output["text"]) >= 10, out
+    assert stream["tokens"] == output["token_ids"] and len(stream["tokens"]) == 12
+    assert (stream["prompt_tokens"], stream["completion_tokens"]) == (
+        output["prompt_tokens"], 12)
+    n = len(stream["entries"])
+    assert stream["entries"] == [f"0-{i}" for i in range(1, n + 1)], stream
+    assert stream["reads"] >= (n + 1) // 2  # at most two entries a read
+    check_stream(gen, rid, output)  # what it read is the whole stream
+    assert gen.get(KEYS.owner(rid)).split()[1] == b"interactive"  # admitted by the page's call
+    # A job refused as it was read has no stream: the client finds its result instead.
+    bad = run_client(script, redis_url, "--stream", "hi", MODEL, "--max-new-tokens=5000")
+    assert (bad["status"], bad["error_code"], bad["finish_reason"]) == ("error", "bad_input",
+                                                                       None), bad
+    assert (bad["stream"]["entries"], bad["stream"]["finish"]) == ([], None), bad
 
 
 def _holder(r: redis.Redis, rid: str) -> str | None:

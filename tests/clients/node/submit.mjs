@@ -15,6 +15,16 @@
 // Both call the page's functions ("Job status", "Cancelling a job") and print one line of JSON:
 // {id, state, worker, deliveries, error_code} or {id, cancel, cancelled}.
 //
+//   node submit.mjs REDIS_URL --stream TEXT [MODEL] [PREFIX] [--max-new-tokens=N] [--count=N]
+// A generation job ("Generation"): the chat [{role: user, content: TEXT}] and max_new_tokens
+// (default 12) as the JSON payload, admitted through the admission function (--admit is
+// implied); then its token stream, read with XREAD BLOCK and COUNT (N entries a read at
+// most, default 64) from 0-0 and on from the last id seen, the text of each entry written to
+// stderr as it arrives (stdout keeps its one line of JSON), until the entry with `finish`;
+// then the result, awaited as for any job. MODEL defaults to smollm2_135m. The JSON line
+// gets `finish_reason` (the result's) and `stream`: {text, finish, entries, reads, tokens,
+// prompt_tokens, completion_tokens, cached_tokens, ttft_ms, error}, what the stream held.
+//
 // Prints one line of JSON: {id, status, label, error_code, result}, or, when the admission
 // script refuses the job, {id, admit_error, admit_code} (the job's error element, or the
 // error reply to the whole call, as it arrived; admit_code is its first word).
@@ -28,25 +38,35 @@ import { createClient, RESP_TYPES } from 'redis';
 import { encode, decode } from '@msgpack/msgpack';
 
 const argv = process.argv.slice(2);
-const MODES = ['--admit', '--status', '--cancel', '--done-only'];
-const options = argv.filter((a) => MODES.includes(a) || a.startsWith('--rid='));
+const MODES = ['--admit', '--status', '--cancel', '--done-only', '--stream'];
+const VALUED = ['--rid=', '--max-new-tokens=', '--count='];
+const options = argv.filter((a) => MODES.includes(a) || VALUED.some((v) => a.startsWith(v)));
+const valueOf = (opts, name) => opts.find((a) => a.startsWith(name))?.slice(name.length);
 const lookup = options.includes('--status') ? 'status'
   : options.includes('--cancel') ? 'cancel' : null;
 const positional = argv.filter((a) => !options.includes(a));
 if (lookup) positional.splice(1, 0, `--${lookup}`);   // no input: ID comes from --rid
-const [url, input, model = 'efficientnet_lite0', prefix = 'redbatch'] = positional;
-if (!url || !input || (lookup && !ridOptionOf(options))) {
+const streaming = options.includes('--stream');
+const [url, input, model = streaming ? 'smollm2_135m' : 'efficientnet_lite0',
+  prefix = 'redbatch'] = positional;
+const maxNewTokens = Number(valueOf(options, '--max-new-tokens=') ?? 12);
+const readCount = Number(valueOf(options, '--count=') ?? 64);
+if (!url || !input || (lookup && !ridOptionOf(options))
+    || !Number.isInteger(maxNewTokens) || !(Number.isInteger(readCount) && readCount > 0)) {
   console.error('usage: node submit.mjs REDIS_URL (IMAGE_PATH | --raw-garbage) [MODEL] [PREFIX]'
-                + ' [--admit] [--rid=ID]');
+                + ' [--admit] [--rid=ID]\n'
+                + '       node submit.mjs REDIS_URL --stream TEXT [MODEL] [PREFIX]'
+                + ' [--max-new-tokens=N] [--count=N] [--rid=ID]');
   process.exit(1);
 }
 function ridOptionOf(opts) { return opts.find((a) => a.startsWith('--rid=')); }
-const admit = options.includes('--admit');
+const admit = options.includes('--admit') || streaming;
 const doneOnly = options.includes('--done-only');
 const ridOption = ridOptionOf(options);
 
 const WAIT_MS = 60_000;        // give up after this long
 const BLPOP_SECONDS = 3;       // "a few seconds at a time"
+const XREAD_BLOCK_MS = 1_000;  // the longest one XREAD of a token stream blocks
 const CONTENT_TYPES = { '.jpg': 'image/jpeg', '.jpeg': 'image/jpeg', '.png': 'image/png',
   '.webp': 'image/webp', '.gif': 'image/gif', '.bmp': 'image/bmp',
   '.txt': 'text/plain; charset=utf-8' };                // a text: its UTF-8 bytes
@@ -59,6 +79,7 @@ const resultKey = `${prefix}:{${model}}:result:${rid}`;
 const doneKey = `${prefix}:{${model}}:done:${rid}`;
 const limitsKey = `${prefix}:{${model}}:limits`;
 const ownerKey = `${prefix}:{${model}}:owner:${rid}`;
+const tokensKey = `${prefix}:{${model}}:tokens:${rid}`;
 
 // Buffer <-> Uint8Array without copying; node-redis sends Buffer arguments as raw bytes.
 const asBuffer = (u8) => Buffer.from(u8.buffer, u8.byteOffset, u8.byteLength);
@@ -145,6 +166,20 @@ const submitted = Date.now();
 const deadline = submitted + WAIT_MS;
 if (input === '--raw-garbage') {
   job = Buffer.from('not msgpack at all');
+} else if (streaming) {
+  // The generation payload: a JSON map, UTF-8, with `messages` and `max_new_tokens`.
+  const body = { messages: [{ role: 'user', content: input }], max_new_tokens: maxNewTokens };
+  job = asBuffer(encode({
+    v: 1,
+    model,
+    payload: Buffer.from(JSON.stringify(body), 'utf8'),
+    content_type: 'application/json',
+    submitted_ms: submitted,
+    deadline_ms: deadline,
+    lane: 'interactive',
+    params: {},
+    ...(doneOnly ? { done_only: true } : {}),
+  }));
 } else {
   job = asBuffer(encode({
     v: 1,
@@ -199,11 +234,68 @@ if (admit) {
   await client.sendCommand(['XADD', streamKey, '*', 'rid', rid, 'job', job]);
 }
 
+// The page's "Reading and resuming": `XREAD BLOCK <ms> STREAMS <tokens key> 0-0`, then on
+// from the last id seen, COUNT entries a read at most, every read's block bounded; stop at
+// the entry with `finish`. The stream may not exist yet (the job is queued): XREAD blocks
+// on a missing key the same way. While a read ends empty, GET the result key (done-only:
+// LINDEX the done list): a job answered without a stream (refused as it was read), or whose
+// stream stopped without a `finish`, has its result there, and its answer is that result.
+// Entry ids are the chunk indexes 0-1, 0-2, ... with no gap; each field is a string.
+async function readTokenStream() {
+  const got = { text: '', finish: null, entries: [], reads: 0, tokens: [], prompt_tokens: null,
+    completion_tokens: null, cached_tokens: null, ttft_ms: null, error: null };
+  let last = '0-0';
+  let answered = false;                 // the result key held the answer at the last look
+  const take = (entries) => {
+    for (const [id, flat] of entries) {
+      const fields = {};
+      for (let i = 0; i + 1 < flat.length; i += 2) fields[flat[i].toString()] = flat[i + 1];
+      last = id.toString();
+      got.entries.push(last);
+      // Never half a character, never part of a stop string: print each as it comes.
+      const text = (fields.text ?? Buffer.alloc(0)).toString('utf8');
+      got.text += text;
+      process.stderr.write(text);
+      const tokens = (fields.tokens ?? '').toString();
+      if (tokens !== '') got.tokens.push(...tokens.split(' ').map(Number));
+      if (fields.finish !== undefined) {
+        got.finish = fields.finish.toString();
+        for (const name of ['prompt_tokens', 'completion_tokens', 'cached_tokens']) {
+          got[name] = Number(fields[name]?.toString());
+        }
+        const ttft = fields.ttft_ms?.toString() ?? '';
+        got.ttft_ms = ttft === '' ? null : Number(ttft);
+        got.error = fields.error?.toString() ?? null;
+        return;
+      }
+    }
+  };
+  while (got.finish === null && Date.now() < giveUpAt) {
+    const block = Math.max(1, Math.min(XREAD_BLOCK_MS, giveUpAt - Date.now()));
+    // Once the result is there every chunk is written (the result comes after the stream's
+    // last entry): read what is left without blocking, and stop there.
+    const reply = await client.sendCommand(['XREAD', 'COUNT', String(readCount),
+      ...(answered ? [] : ['BLOCK', String(block)]), 'STREAMS', tokensKey, last]);
+    if (reply !== null) {
+      got.reads += 1;
+      take(reply[0][1]);
+    } else if (answered) {
+      break;                            // no stream, or one that stopped short: the result
+    } else {
+      answered = (doneOnly ? await client.lIndex(doneKey, 0)
+        : await client.get(resultKey)) !== null;
+    }
+  }
+  if (got.text !== '') process.stderr.write('\n');
+  return got;
+}
+const giveUpAt = Date.now() + WAIT_MS;
+const stream = streaming ? await readTokenStream() : null;
+
 // Wait (our own job, no reply list): BLPOP the done key for a few seconds; the element it
 // pops is the result envelope itself. When a pop ends empty, or pops something that is not
 // an envelope of this id (the token `1` of older workers), GET the result key. Until the
-// give-up time.
-const giveUpAt = Date.now() + WAIT_MS;
+// give-up time. A streamed job's result comes after its stream's last entry: wait the same.
 const envelopeOf = (bytes) => {
   try {
     const value = decode(bytes);
@@ -241,4 +333,5 @@ console.log(JSON.stringify({
   label: result.output?.label ?? null,
   error_code: result.error?.code ?? null,
   result,
+  ...(stream ? { finish_reason: result.output?.finish_reason ?? null, stream } : {}),
 }));
