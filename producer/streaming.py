@@ -6,7 +6,9 @@ The reader keeps the last entry id it saw and reads on from it (``XREAD ... STRE
 <last id>``), so a dropped connection costs nothing: the next read, on a new connection,
 starts where the last one ended, with no gap and no duplicate. While no chunk comes it
 looks at the job's result key: a job refused as it was read (``bad_input``, ...) has no
-stream, only its error result, which is raised as JobFailed.
+stream, only its error result, which is raised as JobFailed; a stream that stopped short of
+its last chunk (its worker stopped past the point of recovery) ends with a chunk made from
+the job's ok result, which is written after every chunk.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class TokenReader:
     deadline: float = 0.0
     after: str = "0-0"
     done: bool = False
+    #: How much of the answer the chunks read so far held: tokens and characters.
+    tokens_read: int = 0
+    chars_read: int = 0
 
     def __post_init__(self) -> None:
         self.deadline = self.deadline or time.monotonic() + self.timeout_s
@@ -71,8 +76,13 @@ class TokenReader:
                 chunks = _chunks(reply)
                 if not chunks:
                     raw = yield Command(("GET", self.keys.result(self.request_id)))
-                    _raise_if_failed(raw)
-                    continue
+                    result = _answered(raw)
+                    if result is None:
+                        continue
+                    # Written once every chunk was: what the stream lacks, it never gets.
+                    reply = yield Command(("XREAD", "COUNT", READ_COUNT, "STREAMS", key,
+                                           self.after))
+                    chunks = _chunks(reply) or [self._rest(result)]
             except (redis.ConnectionError, redis.TimeoutError):
                 yield Pause(RECONNECT_PAUSE_S)  # a new connection reads on from `after`
                 continue
@@ -80,7 +90,19 @@ class TokenReader:
                 raise client_error(e) from e
             self.after = f"0-{chunks[-1].index}"
             self.done = chunks[-1].finish is not None
+            self.tokens_read += sum(len(c.token_ids) for c in chunks)
+            self.chars_read += sum(len(c.text) for c in chunks)
             return chunks
+
+    def _rest(self, result: ResultEnvelope) -> Chunk:
+        """The last chunk of a stream that stopped short (PROTOCOL.md "Token stream": a
+        worker stopped past the point of recovery), made from the job's ok result: what
+        the chunks read so far did not hold, and why the answer ended."""
+        out = result.output
+        return Chunk(int(self.after.split("-")[1]) + 1, list(out["token_ids"][self.tokens_read:]),
+                     str(out["text"])[self.chars_read:], str(out["finish_reason"]),
+                     int(out.get("prompt_tokens") or 0), int(out.get("completion_tokens") or 0),
+                     int(out.get("cached_tokens") or 0), out.get("ttft_ms"))
 
 
 def _chunks(reply: Any) -> list[Chunk]:
@@ -94,9 +116,12 @@ def _chunks(reply: Any) -> list[Chunk]:
             for entry_id, fields in entries]
 
 
-def _raise_if_failed(raw: Any) -> None:
-    """Raise the error of a job answered without a stream (refused as it was read)."""
-    if isinstance(raw, bytes):
-        result = ResultEnvelope.decode(raw)
-        if result.status is not Status.OK:
-            result.raise_for_error()
+def _answered(raw: Any) -> ResultEnvelope | None:
+    """The job's ok result, if it has one; raise the error of a job answered with an
+    error (refused as it was read: no stream)."""
+    if not isinstance(raw, bytes):
+        return None
+    result = ResultEnvelope.decode(raw)
+    if result.status is not Status.OK:
+        result.raise_for_error()
+    return result

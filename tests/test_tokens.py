@@ -1,10 +1,13 @@
 """gpu_worker/streams/tokens.py against a real Redis: each step's writes in one round trip,
 with few commands a token. A stream's TTL is set at its first chunk, its last and when a
 quarter of the TTL has passed (not at every chunk); the stop keys of a step are read with
-one MGET per partition; a chunk index written twice is refused by Redis and counted."""
+one MGET per partition; a chunk index written twice is refused by Redis and counted. And the
+client's side (producer/streaming.py): a stream that stopped short ends with the result."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
 from typing import Any
 
@@ -71,3 +74,41 @@ def test_a_chunk_written_twice_is_refused_and_counted(r: redis.Redis) -> None:
     got = again.write_step([(key, Chunk(1, [1], "x")), (key, Chunk(2, [2], "y"))], [], {})
     assert got.refused == 1
     assert r.xlen(key) == 2
+
+
+def test_a_client_stream_that_stopped_short_ends_with_the_result(
+        r: redis.Redis, redis_url: str) -> None:
+    """PROTOCOL.md "Token stream": a stream can stop without its last chunk (its worker
+    stopped past the point of recovery) while the job's result, written after every chunk,
+    holds the whole answer. Client.stream read on until its timeout; now it yields the
+    rest of the text from the result and ends."""
+    from redbatch.common.protocol import GROUP, JobEnvelope, Lane, ResultEnvelope, Status
+    from redbatch.common.protocol.functions import load_library
+    from redbatch.producer.client import Client
+
+    load_library(r)
+    keys = Keys("chat")
+    stream = keys.stream(Lane.INTERACTIVE)
+    r.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    got: list[str] = []
+    with Client(redis_url, model="chat") as client:
+        reader = threading.Thread(target=lambda: got.extend(
+            client.stream("Say hello", max_new_tokens=8, timeout_s=30)))
+        reader.start()
+        # The worker that stopped: it read the job, streamed two chunks, wrote the result.
+        read: Any = []
+        while not read:
+            read = r.xreadgroup(GROUP, "gone", {stream: ">"}, count=1, block=100)
+        entry_id, fields = read[0][1][0]
+        rid = JobEnvelope.decode(fields, 1 << 20).request_id
+        r.xadd(keys.tokens(rid), Chunk(1, [19556], "Hello").fields(), id="0-1")  # type: ignore[arg-type]
+        r.xadd(keys.tokens(rid), Chunk(2, [28], "!").fields(), id="0-2")  # type: ignore[arg-type]
+        time.sleep(0.3)  # the reader has read both, and waits on
+        output = {"text": "Hello! How are you?", "finish_reason": "stop",
+                  "token_ids": [19556, 28, 1073, 359, 346, 47], "prompt_tokens": 30,
+                  "completion_tokens": 6, "cached_tokens": 0, "ttft_ms": 12.5}
+        r.set(keys.result(rid), ResultEnvelope(rid, Status.OK, output, model="chat").encode())
+        r.xack(stream, GROUP, entry_id)
+        reader.join(timeout=20)
+        assert not reader.is_alive(), "the reader waits on a stream that will never end"
+    assert "".join(got) == "Hello! How are you?" and got[:2] == ["Hello", "!"], got
