@@ -59,8 +59,9 @@ def acl(models: tuple[str, ...], prefix: str, roles: tuple[str, ...], fmt: str, 
         redis_url: str | None, tenant: str | None, **names: str | None) -> None:
     """Print (or --apply) least-privilege Redis ACL users for producers and workers.
 
-    A producer may submit jobs and read, await and delete results of the --model(s) and
-    nothing else: no writing results or done tokens, no other model, no admin command.
+    A producer may submit jobs, read, await and delete results, read token streams and
+    set stop keys of the --model(s) and nothing else: no writing results, done tokens or
+    token streams, no other model, no admin command.
     A worker may do what a worker does, for those models only. The rules keep only each
     password's SHA-256 (#<hash>), so they can be stored. The URL to connect with goes to
     stderr, with the password only when it was generated here. Needs Redis 7.0 or later.

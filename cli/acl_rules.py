@@ -22,22 +22,30 @@ NOTE [ ACL roles ]
     of a done list, BLPOP, LPOP and BLMPOP of a reply list) and delete what it has read
     (DEL of result, done, owner and reply keys, as ``redbatch score`` does); read which
     workers are alive (ZRANGE of the workers set, GET/MGET of their heartbeat records:
-    ``Client.workers``, ``is_ready``). It may not write a result or a done token (no SET,
-    RPUSH or BLMOVE there: a list moved onto another id's done or result key would plant
-    an answer), change a bound, touch another model, or run any admin command.
+    ``Client.workers``, ``is_ready``). Generation (PROTOCOL.md "Token stream"): read token
+    streams (XREAD, with BLOCK and COUNT, and XRANGE: ``Client.stream``, a resumed read),
+    SET a stop key (``SET ... PX 600000``: cancel a running generation) and GET it. It may
+    not write a result or a done token (no SET, RPUSH or BLMOVE there: a list moved onto
+    another id's done or result key would plant an answer), write, trim, expire or delete a
+    token stream (a forged token), change a bound, touch another model, or run any admin
+    command.
   worker: everything ``redbatch worker`` sends: the consumer group (XGROUP CREATE,
     XREADGROUP, XCLAIM, XPENDING, XRANGE, XACK, XDEL, XINFO, the departed-consumer
     script), results in MULTI/EXEC (SET, RPUSH, PEXPIRE; WATCH and TYPE for the keys
     it checks first), the owner keys, dead letters (XADD), the fleet status keys
-    (SET, ZADD, ZREM, ZREMRANGEBYSCORE, LPUSH, LPUSHX, LTRIM, DEL) and TIME. It may not change
-    a bound, touch another model, or run any admin command.
+    (SET, ZADD, ZREM, ZREMRANGEBYSCORE, LPUSH, LPUSHX, LTRIM, DEL) and TIME; a generation
+    worker's token streams (XADD of each chunk, PEXPIRE of its TTL, XRANGE of what a job
+    taken over streamed already) and its running jobs' stop keys, read only (MGET). It may
+    not set a stop key, change a bound, touch another model, or run any admin command.
   Both: what redis-py sends on connecting (HELLO, CLIENT SETINFO, SELECT for a
   database other than 0) and PING, no Pub/Sub channels. The worker also loads the
   function library (FUNCTION LOAD) and its own script (SCRIPT LOAD, SCRIPT EXISTS).
 
   Within its models a producer is trusted with every request: request ids are not
-  bound to users, so it can read, await or delete another producer's result, or take
-  an id (SET of its owner key) first. PROTOCOL.md "Trust model" says so.
+  bound to users, so it can read, await or delete another producer's result, read any
+  token stream, stop any running generation, or take an id (SET of its owner key) first.
+  PROTOCOL.md "Trust model" says so. A tenant (Role.TENANT) is a producer whose owner,
+  result, done, token and stop keys are those of ids ``<tenant>:*`` only.
 """
 
 from __future__ import annotations
@@ -155,6 +163,8 @@ def producer_rules(models: Sequence[Keys], version: tuple[int, int],
     results = [k.result(ids + _ANY) for k in parts]
     dones = [k.done(ids + _ANY) for k in parts]
     replies = [k.reply(_ANY) for k in parts]
+    tokens = [k.tokens(ids + _ANY) for k in parts]
+    stops = [k.stop(ids + _ANY) for k in parts]
     fleets = [k.workers() for k in models]
     records = [k.worker(_ANY) for k in models]
     return (
@@ -169,6 +179,10 @@ def producer_rules(models: Sequence[Keys], version: tuple[int, int],
         _selector(("get", "mget", "exists", "del"), _keys(*results, *dones, *owners, *replies)),
         _selector(("blpop", "lindex"), _keys(*dones)),
         _selector(("blpop", "lpop", "blmpop"), _keys(*replies)),
+        # Generation: read token streams (never write one: no forged tokens), set and read
+        # stop keys (cancel a running generation).
+        _selector(("xread", "xrange"), _keys(*tokens, mode="%R~")),
+        _selector(("set", "get"), _keys(*stops)),
         # Which workers are alive (Client.workers, is_ready): read only.
         _selector(("zrange",), _keys(*fleets, mode="%R~")),
         _selector(("mget", "get"), _keys(*records, mode="%R~")),
@@ -202,6 +216,8 @@ _STREAM_COMMANDS = ("xgroup|create", "xgroup|delconsumer", "xreadgroup", "xclaim
 _ANSWER_COMMANDS = ("set", "get", "mget", "rpush", "pexpire")
 _FLEET_COMMANDS = ("set", "del", "zadd", "zrem", "zremrangebyscore", "lpush", "lpushx", "ltrim",
                    "pexpire")
+#: A generation worker's token streams: chunks, their TTL, and what a takeover reads.
+_TOKEN_COMMANDS = ("xadd", "pexpire", "xrange")
 #: Every key-bound command a worker may also use to check a key before it writes it.
 _CHECKS = ("type", "watch", "exists", "pttl")
 
@@ -212,6 +228,8 @@ def worker_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[str,
     streams = [k.stream(lane) for k in parts for lane in Lane]
     answers = [key for k in parts
                for key in (k.result(_ANY), k.done(_ANY), k.owner(_ANY), k.reply(_ANY))]
+    tokens = [k.tokens(_ANY) for k in parts]
+    stops = [k.stop(_ANY) for k in parts]
     fleet = [*(key for k in models for key in (k.workers(), k.worker(_ANY))),
              *(k.recent() for k in parts)]
     return (
@@ -221,6 +239,8 @@ def worker_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[str,
         _selector(("xadd", "xlen", *_CHECKS), _keys(*(k.dlq() for k in parts))),
         _selector((*_ANSWER_COMMANDS, *_CHECKS), _keys(*answers)),
         _selector((*_FLEET_COMMANDS, *_CHECKS), _keys(*fleet)),
+        _selector(_TOKEN_COMMANDS, _keys(*tokens)),
+        _selector(("mget",), _keys(*stops, mode="%R~")),
         _partitions_read(models),
     )
 

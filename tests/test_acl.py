@@ -24,7 +24,7 @@ import redis
 from click.testing import CliRunner
 from conftest import SAMPLES, TEST_MODEL, settings_free_env
 from redbatch.cli import main
-from redbatch.cli.acl_rules import Role, build_user, server_version
+from redbatch.cli.acl_rules import Role, build_user, server_version, user_url
 from redbatch.cli.redis_server import RedisServer
 from redbatch.common.protocol import (
     ADMIT_SCRIPT,
@@ -41,6 +41,7 @@ from redbatch.common.protocol.functions import (
     LIBRARY_NAME,
     load_library,
 )
+from redbatch.common.protocol.generation import STOP_TTL_MS, STOP_VALUE
 from redbatch.producer.client import Client
 from redbatch.producer.errors import FunctionsMissing
 from spawned_workers import spawned_workers
@@ -377,3 +378,83 @@ def test_one_user_for_several_models_gets_each_and_no_other(server: RedisServer)
                    "rid", "x")
     assert not may("multi-worker", "XLEN", Keys("m3").stream(Lane.BULK))
     assert not may("multi-producer", "SET", models[1].result("x"), "forged")
+
+
+CHAT = "smollm2_135m"
+CHAT_KEYS = Keys(CHAT)
+CHAT_USERS = ("chat-producer", "chat-worker", "chat-acme", "chat-beta")
+
+
+def test_generation_streams_and_cancels_under_the_users(server: RedisServer,
+                                                        tmp_path: Path) -> None:
+    """A real chat worker under the worker user; a producer generates, streams and cancels
+    (the stop key, as PROTOCOL.md "Token stream" says) with no refusal in the ACL LOG. It
+    may not forge a token (XADD), nor touch another model's stream; a tenant reads its
+    own token streams only."""
+    admin = redis.Redis.from_url(server.url)
+    made = cli("acl", "--apply", "--model", CHAT, "--producer-user", CHAT_USERS[0],
+               "--worker-user", CHAT_USERS[1], "--redis", server.url,
+               env={"REDBATCH_ACL_PRODUCER_PASSWORD": PRODUCER_PW,
+                    "REDBATCH_ACL_WORKER_PASSWORD": WORKER_PW})
+    assert made.returncode == 0, made.stderr
+    producer, worker_url = (url_of(made.stdout, user).replace("***", quote(pw, safe=""))
+                            for user, pw in zip(CHAT_USERS[:2], (PRODUCER_PW, WORKER_PW),
+                                                strict=True))
+    version = server_version(admin)
+    for user, tenant in zip(CHAT_USERS[2:], ("acme", "beta"), strict=True):
+        made_user = build_user(user, Role.TENANT, "pw", [CHAT_KEYS], version, tenant)
+        admin.execute_command("ACL", "SETUSER", made_user.name, *made_user.setuser_args())
+    acme = redis.Redis.from_url(user_url(server.url, CHAT_USERS[2], "pw"))
+    admin.acl_log_reset()
+    long_story = b'{"prompt": "Tell me a long story:", "max_new_tokens": 400}'
+    with spawned_workers(tmp_path) as start:
+        start(worker_url, model=CHAT, ready_url=server.url)
+        with Client(producer, model=CHAT) as client:
+            assert client.generate("Count to five:", max_new_tokens=4)
+            assert "".join(client.stream(messages=[{"role": "user", "content": "Hi"}],
+                                         max_new_tokens=4))
+            p = client.redis
+            rid = client.submit(long_story, content_type="application/json", timeout_s=120)
+            tokens = CHAT_KEYS.tokens(rid)
+            assert p.xread({tokens: "0-0"}, count=1, block=60_000)  # it is running
+            assert p.set(CHAT_KEYS.stop(rid), STOP_VALUE, px=STOP_TTL_MS)
+            assert p.get(CHAT_KEYS.stop(rid)) == STOP_VALUE.encode()
+            out = client.result(rid, timeout_s=60).raise_for_error().output
+            assert out["finish_reason"] == "cancelled" and out["completion_tokens"] < 400
+            assert len(p.xrange(tokens)) >= 1
+            # The tenant reads and stops its own; the job is submitted under its id.
+            mine = client.submit(b'{"prompt": "Hi", "max_new_tokens": 2}', timeout_s=60,
+                                 content_type="application/json", request_id="acme:own")
+            assert client.result(mine, timeout_s=60).ok
+            assert acme.xrange(CHAT_KEYS.tokens("acme:own"))
+            assert acme.xread({CHAT_KEYS.tokens("acme:own"): "0-0"}, block=10)
+            assert acme.set(CHAT_KEYS.stop("acme:own"), STOP_VALUE, px=STOP_TTL_MS)
+            refused = [(e["username"], e["object"]) for e in admin.acl_log()
+                       if e["username"] in CHAT_USERS]
+            assert refused == [], f"a command generation sends is missing: {refused}"
+            forbidden: dict[str, Callable[[], object]] = {
+                "forge a token (XADD)": lambda: p.xadd(tokens, {"tokens": "1", "text": "x"}),
+                "XADD a new token stream": lambda: p.xadd(CHAT_KEYS.tokens("new"),
+                                                           {"tokens": "1", "text": "x"}),
+                "DEL a token stream": lambda: p.delete(tokens),
+                "XTRIM a token stream": lambda: p.xtrim(tokens, 0),
+                "PEXPIRE a token stream": lambda: p.pexpire(tokens, 1),
+                "read another model's tokens": lambda: p.xrange(THEIRS.tokens(rid)),
+                "XREAD another model's tokens": lambda: p.xread({THEIRS.tokens(rid): "0-0"}),
+                "stop another model's job": lambda: p.set(THEIRS.stop(rid), STOP_VALUE),
+                "tenant: read another tenant's tokens": lambda: acme.xrange(
+                    CHAT_KEYS.tokens("beta:x")),
+                "tenant: XREAD another tenant's tokens": lambda: acme.xread(
+                    {CHAT_KEYS.tokens("beta:x"): "0-0"}),
+                "tenant: read an id of no tenant": lambda: acme.xrange(tokens),
+                "tenant: stop another tenant's job": lambda: acme.set(
+                    CHAT_KEYS.stop("beta:x"), STOP_VALUE),
+                "tenant: forge its own tokens": lambda: acme.xadd(
+                    CHAT_KEYS.tokens("acme:own"), {"tokens": "1", "text": "x"}),
+            }
+            allowed = {name for name, call in forbidden.items() if not nopermed(call)}
+            assert allowed == set()
+    w = redis.Redis.from_url(worker_url)
+    assert nopermed(lambda: w.xadd(THEIRS.tokens("x"), {"tokens": "1", "text": "x"}))
+    assert nopermed(lambda: w.set(CHAT_KEYS.stop("x"), STOP_VALUE))  # it reads stops only
+    assert nopermed(lambda: w.mget([THEIRS.stop("x")]))
