@@ -21,7 +21,7 @@ worker, threads, events, outbox) may use every room:
     generation/     continuous batching of a generative model (scheduler, KV blocks, model,
                     engine): torch, never redis, nothing else of the worker
     generating/     the generation worker: generation/ driven by streams/ (and start-up's
-                    connections), in threads
+                    connections, device/'s watchdog), in threads
     metrics.py      a leaf every room may use
 """
 
@@ -53,7 +53,7 @@ ROOMS = {
     "device": {"tuning.profile"},
     "tuning": {"device", "tuning"},
     "generation": set(),
-    "generating": {"generation", "streams", "metrics", "startup"},
+    "generating": {"generation", "streams", "metrics", "startup", "device.watchdog"},
 }
 #: Third-party imports a room must never make.
 FORBIDDEN = {"batching": {"redis", "torch"}, "device": {"redis"}, "streams": {"torch"},
