@@ -43,8 +43,9 @@ EXTRA_HINT = "redbatch gateway needs its extra: pip install 'redbatch[gateway]'"
 def gateway(redis_url: str | None, prefix: str, host: str, port: int, models: tuple[str, ...],
             tenants: Path | None, default_timeout_s: float, submit_calls_in_flight: int,
             log_level: str) -> None:
-    """Serve the OpenAI-compatible HTTP gateway: /v1/embeddings, native /v1/models/M/jobs
-    and /v1/jobs/ID, /v1/models, /metrics, /healthz, /readyz.
+    """Serve the OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions,
+    /v1/embeddings, native /v1/models/M/jobs and /v1/jobs/ID, /v1/models, /metrics,
+    /healthz, /readyz.
 
     Stateless: it keeps no queue of its own, so run as many as you like behind a load
     balancer; every request becomes the protocol's calls on --redis.

@@ -265,6 +265,14 @@ class GatewaySettings:
     port: int = 8000
     #: A request's deadline when it names none (``timeout``), s.
     default_timeout_s: float = 30.0
+    #: The deadline of a chat or completions request that names none, s: an answer of
+    #: hundreds of tokens takes longer than an embedding.
+    generation_timeout_s: float = 120.0
+    #: Largest answer a chat or completions request gets when it names no
+    #: ``max_tokens`` (the worker's ``--max-new-tokens`` bounds what it may name).
+    default_max_tokens: int = 128
+    #: How long a gateway that stops waits for the stops and releases still running, s.
+    close_wait_s: float = 5.0
     #: The longest deadline a request may ask for, s (a wait the gateway keeps open).
     max_timeout_s: float = 600.0
     #: Largest request body, bytes: a payload and its JSON or multipart framing.

@@ -1,5 +1,8 @@
 """The HTTP routes (Starlette), each a thin shell over :class:`Gateway`'s calls.
 
+    POST   /v1/chat/completions      OpenAI chat and completions: one generation job each,
+    POST   /v1/completions           streamed as server-sent events (gateway/chat.py)
+    GET    /v1/jobs/{id}/events      a generation job's token stream, for any reader
     POST   /v1/embeddings            OpenAI embeddings: texts to the text model
     POST   /v1/models/{model}/jobs   native: the raw body, or each part of a multipart
                                      body, as one job (an image, any bytes); 202 and ids,
@@ -16,7 +19,6 @@ has no tenants file), ``X-Request-Id`` (the job's id; echoed) and ``X-Redbatch-L
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,16 +33,24 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from redbatch.common.protocol import JobStatus, Lane, ResultEnvelope, validate_name
-from redbatch.common.protocol.tenants import tenant_request_id
+from redbatch.common.protocol import JobStatus, ResultEnvelope
+from redbatch.gateway.chat import chat_completions, completions, job_events
 from redbatch.gateway.errors import (
     INTERNAL,
     METHOD_NOT_ALLOWED,
     NOT_FOUND,
-    UNAUTHORIZED,
     ApiError,
     bad_request,
     from_result,
+)
+from redbatch.gateway.http_io import (
+    lane_of,
+    model_name,
+    parse_job_id,
+    public_id,
+    read_body,
+    read_json,
+    tenant_of,
 )
 from redbatch.gateway.openai_api import (
     embeddings_response,
@@ -117,6 +127,9 @@ def create_app(gateway: Gateway) -> Starlette:
         return PlainTextResponse("ready\n" if ok else "redis unreachable\n", 200 if ok else 503)
 
     routes = [
+        Route("/v1/chat/completions", endpoint("chat", chat_completions), methods=["POST"]),
+        Route("/v1/completions", endpoint("completions", completions), methods=["POST"]),
+        Route("/v1/jobs/{job_id}/events", endpoint("events", job_events), methods=["GET"]),
         Route("/v1/embeddings", endpoint("embeddings", embeddings), methods=["POST"]),
         Route("/v1/models/{model}/jobs", endpoint("jobs", submit_jobs), methods=["POST"]),
         Route("/v1/jobs/{job_id}", endpoint("job", job_status), methods=["GET"]),
@@ -124,8 +137,10 @@ def create_app(gateway: Gateway) -> Starlette:
         Route("/v1/models", endpoint("models", list_models), methods=["GET"]),
         Route("/metrics", metrics_page), Route("/healthz", healthz), Route("/readyz", readyz),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         HTTPException: http_error, Exception: internal_error})
+    app.state.metrics = metrics
+    return app
 
 
 async def http_error(_: Request, exc: Exception) -> Response:
@@ -142,43 +157,6 @@ async def internal_error(_: Request, exc: Exception) -> Response:
     log.error("unhandled %s: %s", type(exc).__name__, str(exc)[:300])
     e = ApiError(INTERNAL, "the gateway failed on this request", 500)
     return JSONResponse(e.body(), 500)
-
-
-def tenant_of(request: Request, gateway: Gateway) -> Tenant:
-    found = gateway.tenants.authenticate(request.headers.get("authorization"))
-    if found is None:
-        raise ApiError(UNAUTHORIZED, "a valid API key is needed: Authorization: Bearer <key>",
-                       401, headers={"WWW-Authenticate": "Bearer"})
-    return found
-
-
-def lane_of(request: Request) -> Lane:
-    try:
-        return Lane(request.headers.get("x-redbatch-lane", Lane.INTERACTIVE.value))
-    except ValueError:
-        raise bad_request("X-Redbatch-Lane must be interactive or bulk",
-                          "X-Redbatch-Lane") from None
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, at most ``limit`` bytes (ApiError 413 past it, without reading on)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise ApiError("payload_too_large", f"the body is over {limit} bytes", 413)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError("payload_too_large", f"the body is over {limit} bytes", 413)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    try:
-        return json.loads(await read_body(request, limit))
-    except (ValueError, UnicodeDecodeError):
-        raise bad_request("the body is not JSON") from None
 
 
 async def embeddings(request: Request, gateway: Gateway) -> Response:
@@ -206,7 +184,7 @@ async def embeddings(request: Request, gateway: Gateway) -> Response:
 async def submit_jobs(request: Request, gateway: Gateway) -> Response:
     tenant = tenant_of(request, gateway)
     s = gateway.settings
-    model = _model(request.path_params["model"])
+    model = model_name(request.path_params["model"])
     timeout_s = parse_timeout(request.query_params.get("timeout"), s.max_timeout_s)
     wait_s = parse_timeout(request.query_params.get("wait"), s.max_poll_s) or 0.0
     payloads, types = await _payloads(request, s.max_body_bytes)
@@ -254,25 +232,9 @@ async def _payloads(request: Request, limit: int) -> tuple[list[bytes], list[str
     return payloads, types
 
 
-def _model(name: str) -> str:
-    try:
-        return validate_name(name)
-    except ValueError:
-        raise ApiError(NOT_FOUND, "not a model name", 404, param="model") from None
-
-
-def _parse_job_id(job_id: str, tenant: Tenant) -> tuple[str, str]:
-    """(model, request id in Redis) of a public id ``<model>:<id>``."""
-    model, _, rest = job_id.partition(":")
-    if not rest:
-        raise ApiError(NOT_FOUND, "a job id is <model>:<id>", 404)
-    return _model(model), tenant_request_id(tenant.name, rest)
-
-
 def _job_json(model: str, tenant: Tenant, rid: str, result: ResultEnvelope | None,
               state: str | None = None) -> dict[str, Any]:
-    public = f"{model}:{rid[len(tenant.name) + 1:]}"
-    found: dict[str, Any] = {"id": public, "object": "job", "model": model,
+    found: dict[str, Any] = {"id": public_id(model, tenant, rid), "object": "job", "model": model,
                              "status": state or ("queued" if result is None else
                                                  "done" if result.ok else "failed")}
     if result is not None:
@@ -286,7 +248,7 @@ def _job_json(model: str, tenant: Tenant, rid: str, result: ResultEnvelope | Non
 
 async def job_status(request: Request, gateway: Gateway) -> Response:
     tenant = tenant_of(request, gateway)
-    model, rid = _parse_job_id(request.path_params["job_id"], tenant)
+    model, rid = parse_job_id(request.path_params["job_id"], tenant)
     wait_s = parse_timeout(request.query_params.get("wait"), gateway.settings.max_poll_s) or 0.0
     found: JobStatus = await gateway.status(tenant, model, rid, wait_s)
     if found.state.value == "unknown":
@@ -299,7 +261,7 @@ async def job_status(request: Request, gateway: Gateway) -> Response:
 
 async def cancel_job(request: Request, gateway: Gateway) -> Response:
     tenant = tenant_of(request, gateway)
-    model, rid = _parse_job_id(request.path_params["job_id"], tenant)
+    model, rid = parse_job_id(request.path_params["job_id"], tenant)
     cancelled = await gateway.cancel(tenant, model, rid)
     public = request.path_params["job_id"]
     if not cancelled:

@@ -10,10 +10,11 @@ bounds and the holds are in Redis (NOTE [ Tenant holds ] in common/protocol/tena
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from redbatch.common.protocol import (
     valid_request_id,
 )
 from redbatch.common.protocol.functions import is_missing
+from redbatch.common.protocol.generation import Chunk
 from redbatch.common.protocol.tenants import (
     HOLD_FUNCTION,
     TENANT_FULL_REPLY,
@@ -79,6 +81,7 @@ class Gateway:
         self._submits: dict[str, Coalescer] = {}
         self._live: dict[str, tuple[float, int]] = {}
         self._admin = connect_async(redis_url)
+        self._background: set[asyncio.Future[None]] = set()
 
     async def start(self) -> None:
         """Open each tenant's client and load the holds library (where --redis may)."""
@@ -100,6 +103,8 @@ class Gateway:
                         redact_url(self.redis_url), str(e).splitlines()[0][:200])
 
     async def close(self) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=self.settings.close_wait_s)
         for client in self._clients.values():
             await client.close()
         await self._admin.aclose()
@@ -215,6 +220,29 @@ class Gateway:
         if found.finished:
             await self.release(tenant, model, [rid])
         return found
+
+    def chunks(self, tenant: Tenant, model: str, rid: str, after: int,
+               timeout_s: float) -> AsyncIterator[Chunk]:
+        """The job's token stream after chunk ``after``, until its last chunk; raises
+        RedbatchError (JobFailed for a job refused as it was read, ResultTimeout)."""
+        return self._clients[tenant.name].chunks(rid, after=after, timeout_s=timeout_s,
+                                                 model=model)
+
+    async def stop(self, tenant: Tenant, model: str, rid: str) -> None:
+        """Stop a generation job wherever it is (queued: cancelled; running: it ends at
+        its next step) and give back its place; best effort, logged when Redis fails."""
+        try:
+            await self._clients[tenant.name].stop(rid, model=model)
+        except RedbatchError as e:
+            log.warning("could not stop %s: %s", rid, str(e).splitlines()[0][:200])
+        await self.release(tenant, model, [rid])
+
+    def in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` on its own (a stop or a release after a client left, from code that
+        is being cancelled and may not await), keeping it referenced until it ends."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def cancel(self, tenant: Tenant, model: str, rid: str) -> bool:
         """Cancel the job while it is queued: whether it was (it will never run)."""

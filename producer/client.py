@@ -58,7 +58,7 @@ from redbatch.common.protocol import (
     ResultEnvelope,
     WorkerRecord,
 )
-from redbatch.common.protocol.generation import CONTENT_TYPE
+from redbatch.common.protocol.generation import CONTENT_TYPE, Chunk
 from redbatch.common.redis_io import connect, connect_async, is_cluster
 from redbatch.producer.core import ClientCore, QueueState, admitted_jobs
 from redbatch.producer.errors import (
@@ -270,6 +270,23 @@ class Client(ClientCore):
         if last is not None and last.finish == "error":
             self.result(rid, timeout_s, model=model).raise_for_error()
 
+    def stop(self, request_id: str, *, model: str | None = None) -> bool:
+        """Stop a generation job wherever it is, from any process: a running one ends at
+        its worker's next step, its result ``ok`` with the text so far and
+        ``finish_reason`` ``cancelled``; a queued one is cancelled as by :meth:`cancel`
+        (True: it will never run)."""
+        return self._run(self._stop(request_id, model))
+
+    def chunks(self, request_id: str, *, after: int = 0, timeout_s: float = 120.0,
+               model: str | None = None) -> Iterator[Chunk]:
+        """The token stream of a generation job, whoever submitted it, from the chunk
+        after index ``after`` (0: the first): each chunk once, in order, until the one
+        with ``finish``. To resume what another process read, pass the last index it saw."""
+        keys = self._run(self._token_keys(request_id, model))
+        reader = TokenReader(keys, request_id, timeout_s, after=f"0-{after}")
+        while not reader.done:
+            yield from self._run(reader.next())
+
     def close(self) -> None:
         """Stop the reply readers and close the client's connections."""
         self._readers.stop()
@@ -421,6 +438,19 @@ class AsyncClient(ClientCore):
                     yield last.text
         if last is not None and last.finish == "error":
             (await self.result(rid, timeout_s, model=model)).raise_for_error()
+
+    async def stop(self, request_id: str, *, model: str | None = None) -> bool:
+        """As :meth:`Client.stop`."""
+        return await self._run(self._stop(request_id, model))
+
+    async def chunks(self, request_id: str, *, after: int = 0, timeout_s: float = 120.0,
+                     model: str | None = None) -> AsyncIterator[Chunk]:
+        """As :meth:`Client.chunks`."""
+        keys = await self._run(self._token_keys(request_id, model))
+        reader = TokenReader(keys, request_id, timeout_s, after=f"0-{after}")
+        while not reader.done:
+            for chunk in await self._run(reader.next()):
+                yield chunk
 
     async def close(self) -> None:
         """Cancel the reply readers and close the client's connections."""

@@ -47,6 +47,7 @@ from redbatch.common.protocol import (
     valid_request_id,
 )
 from redbatch.common.protocol.functions import CANCEL_FUNCTION, STATUS_FUNCTION
+from redbatch.common.protocol.generation import STOP_TTL_MS, STOP_VALUE
 from redbatch.common.protocol.payloads import encode_payload
 from redbatch.common.redis_io import error_code
 from redbatch.producer.calls import Arg, Command, Inbox, Pause, Pipelined, Script, Steps
@@ -432,6 +433,20 @@ class ClientCore:
             if word != UNKNOWN_REPLY:
                 break
         return word == CANCELLED_REPLY
+
+    def _stop(self, request_id: str, model: str | None) -> Steps[bool]:
+        """Stop a generation job wherever it is (PROTOCOL.md "Cancelling a running
+        generation"): its stop key in each partition it may be in, which a worker running
+        it reads at its next step, then the cancel script for a job still queued. True
+        when it was queued (it will never run)."""
+        for keys in (yield from self._candidates(model, request_id)):
+            yield Command(("SET", keys.stop(request_id), STOP_VALUE, "PX", STOP_TTL_MS))
+        return (yield from self._cancel(request_id, model))
+
+    def _token_keys(self, request_id: str, model: str | None) -> Steps[Keys]:
+        """The keys of the partition a job of ``request_id`` is in under the newest count:
+        where its token stream is, whoever submitted it."""
+        return (yield from self._candidates(model, request_id))[0]
 
     def _cancel_in(self, keys: Keys, request_id: str) -> Steps[str]:
         """The cancel script's first reply word in one partition."""

@@ -56,9 +56,12 @@ class TokenReader:
     #: How much of the answer the chunks read so far held: tokens and characters.
     tokens_read: int = 0
     chars_read: int = 0
+    #: Where the reader began: the chunks up to it were read by someone else.
+    start: str = ""
 
     def __post_init__(self) -> None:
         self.deadline = self.deadline or time.monotonic() + self.timeout_s
+        self.start = self.start or self.after
 
     def next(self) -> Steps[list[Chunk]]:
         """The next chunks (at least one, the last when ``done``). Raises ResultTimeout past
@@ -82,7 +85,7 @@ class TokenReader:
                     # Written once every chunk was: what the stream lacks, it never gets.
                     reply = yield Command(("XREAD", "COUNT", READ_COUNT, "STREAMS", key,
                                            self.after))
-                    chunks = _chunks(reply) or [self._rest(result)]
+                    chunks = _chunks(reply) or [(yield from self._rest(result))]
             except (redis.ConnectionError, redis.TimeoutError):
                 yield Pause(RECONNECT_PAUSE_S)  # a new connection reads on from `after`
                 continue
@@ -94,10 +97,18 @@ class TokenReader:
             self.chars_read += sum(len(c.text) for c in chunks)
             return chunks
 
-    def _rest(self, result: ResultEnvelope) -> Chunk:
+    def _rest(self, result: ResultEnvelope) -> Steps[Chunk]:
         """The last chunk of a stream that stopped short (PROTOCOL.md "Token stream": a
         worker stopped past the point of recovery), made from the job's ok result: what
-        the chunks read so far did not hold, and why the answer ended."""
+        the chunks up to ``after`` did not hold, and why the answer ended. A reader that
+        began past the start counts the chunks before it first (one XRANGE)."""
+        if self.start != "0-0":
+            before = yield Command(("XRANGE", self.keys.tokens(self.request_id), "-",
+                                    self.start))
+            read = _chunks([[b"", before or []]])
+            self.tokens_read += sum(len(c.token_ids) for c in read)
+            self.chars_read += sum(len(c.text) for c in read)
+            self.start = "0-0"
         out = result.output
         return Chunk(int(self.after.split("-")[1]) + 1, list(out["token_ids"][self.tokens_read:]),
                      str(out["text"])[self.chars_read:], str(out["finish_reason"]),

@@ -37,7 +37,7 @@ from deploy_files import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
-from redbatch.common.protocol import GROUP, JobEnvelope, Keys, Lane
+from redbatch.common.protocol import GROUP, ErrorCode, JobEnvelope, Keys, Lane
 from redbatch.common.protocol.generation import Chunk
 from redbatch.producer.client import AsyncClient, Client, JobFailed, RedbatchError
 from test_foreign_client import node_client, run_client  # noqa: F401
@@ -256,6 +256,33 @@ def test_async_client_generates_and_streams(gen: redis.Redis, redis_url: str) ->
 
     whole, deltas = asyncio.run(both())
     assert "".join(deltas) == whole and len(whole) > 10
+
+
+def test_another_client_reads_on_from_an_index_and_stops_the_job(gen: redis.Redis,
+                                                                   redis_url: str) -> None:
+    """Resume and cancel from anywhere: a second client, which did not submit the job,
+    reads its stream on from index 2, and stops it while it runs."""
+    long = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+    with Client(redis_url, model=MODEL) as a, Client(redis_url, model=MODEL) as b:
+        rid = a.submit(json.dumps({"messages": long, "max_new_tokens": 1024}),
+                       content_type="application/json")
+        seen = []
+        for chunk in b.chunks(rid, after=2):
+            seen.append(chunk)
+            if len(seen) == 2:
+                assert b.stop(rid) is False  # running: not cancelled in its queue
+        res = a.result(rid, WAIT_S)
+    assert res.output["finish_reason"] == "cancelled" == seen[-1].finish
+    assert [c.index for c in seen] == list(range(3, 3 + len(seen)))
+    assert res.output["text"].endswith("".join(c.text for c in seen))
+    assert len(res.output["token_ids"]) < 200
+    # Queued (a stop key set first, then the cancel function): it never runs.
+    with Client(redis_url, model=MODEL) as c:
+        rid = c.submit(json.dumps({"prompt": "Hello", "max_new_tokens": 4}),
+                       content_type="application/json")
+        c.stop(rid)
+        res = c.result(rid, WAIT_S)
+    assert res.error_code is ErrorCode.CANCELLED or res.output["finish_reason"] == "cancelled"
 
 
 def test_the_generate_command_streams_the_answer(gen: redis.Redis, redis_url: str) -> None:
