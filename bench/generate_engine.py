@@ -13,7 +13,10 @@ smollm2_135m model, driven four ways on the same clock:
 * continuous: requests join and leave the running batch at every step (chunked prefill,
   decodes first), prefix cache off;
 * and on a second workload whose requests share a long system prompt, continuous batching
-  without and with the prefix cache.
+  without and with the prefix cache;
+* and, where transformers is installed (the ``reference`` extra), the first workload
+  through transformers' own continuous batching on the same file and threads, the peer
+  (bench/transformers_peer.py).
 
 Reports tokens/s (answer tokens over the span from the first arrival to the last answer),
 time to first token p50/p99 (from each request's arrival), steps, and the process's CPU
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import transformers_peer
 from redbatch.gpu_worker.generation.engine import Engine, EngineConfig
 from redbatch.gpu_worker.generation.model import Llama, load_weights
 from redbatch.gpu_worker.generation.sampling import SamplingParams
@@ -190,13 +194,19 @@ def main() -> None:
     shared = workload(args.requests, args.rate, args.seed, SHARED_SYSTEM)
     runs += [drive("shared prompt, no cache", model, shared, continuous, plain),
              drive("shared prompt, prefix cache", model, shared, continuous, cached)]
+    why_not = transformers_peer.available()
+    peer = None
+    if why_not is None:
+        peer = transformers_peer.drive(transformers_peer.load(), mix, 32, 256,
+                                       Run("transformers continuous"))
+        runs.append(peer)
     for run in runs:
         report(run)
     write_csv(runs)
     load = os.getloadavg()[0]
     print(f"load average {load:.1f}" + ("  (busy machine: trust the CPU ratios over the wall "
                                         "ones)" if load > 1.5 else ""))
-    one, stat, cont, nocache, hit = runs
+    one, stat, cont, nocache, hit = runs[:5]
     print(f"prompt tokens, shared-prompt mix: {statistics.mean(len(j.prompt) for j in shared):.0f}"
           f" a request on average")
     print(f"continuous / static tokens/s:        {cont.tokens_per_s / stat.tokens_per_s:.2f}x")
@@ -206,6 +216,12 @@ def main() -> None:
     print(f"static / continuous CPU per token:   {stat.cpu_s / cont.cpu_s:.2f}x")
     print(f"one-at-a-time / continuous CPU per token: {one.cpu_s / cont.cpu_s:.2f}x")
     print(f"no cache / prefix cache CPU, shared prompt: {nocache.cpu_s / hit.cpu_s:.2f}x")
+    if peer is None:
+        print(f"transformers peer skipped: {why_not}")
+    else:
+        print(f"continuous / transformers tokens/s:  {cont.tokens_per_s / peer.tokens_per_s:.2f}x")
+        print(f"transformers / continuous CPU per token: "
+              f"{(peer.cpu_s / peer.tokens) / (cont.cpu_s / cont.tokens):.2f}x")
 
 
 if __name__ == "__main__":
