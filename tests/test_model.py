@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 from conftest import CAT_LABELS, SAMPLES
 from PIL import Image
 from redbatch.common.config import LimitSettings
-from redbatch.gpu_worker.device.prepare import next_batch_limit, resolve_device
+from redbatch.gpu_worker.device.prepare import OOM_HOLD_S, next_batch_limit, resolve_device
 from redbatch.gpu_worker.device.runner import ModelRunner
 from redbatch.gpu_worker.tuning.profile import Variant
 from redbatch.gpu_worker.tuning.variants import cxx_compiler_found
@@ -225,6 +226,26 @@ def test_memory_watermark_lowers_and_restores_the_batch_limit(limit: int, headro
                                                               expected: int) -> None:
     mib = 2**20
     assert next_batch_limit(limit, 64, headroom_mib * mib, 1024 * mib, 10 * mib) == expected
+
+
+def test_a_batch_that_ran_out_of_memory_is_split_and_not_tried_again_soon() -> None:
+    """Out of memory past 16: the batch is split until it fits, every input answered, and
+    however much memory looks free afterwards the limit stays under the size that failed
+    for OOM_HOLD_S (doubling straight back ran out again every few batches on an H200)."""
+    def model(x: torch.Tensor) -> torch.Tensor:
+        if len(x) > 16:
+            raise torch.cuda.OutOfMemoryError("injected: past 16 items")
+        return x.mean(dim=(1, 2, 3))
+
+    run = ModelRunner(Tiny(model), torch.device("cpu"), tiny_slots(64), 64)
+    outcomes = run.run_isolating(list(range(64)), [{}] * 64)
+    assert [o.output for o in outcomes] == pytest.approx(list(range(64)))
+    assert run.batch_limit == 16
+    now, plenty = time.monotonic(), 100 * 2**30
+    run.follow_memory(plenty, now + 1)
+    assert run.batch_limit == 16
+    run.follow_memory(plenty, now + OOM_HOLD_S + 1)
+    assert run.batch_limit == 32
 
 
 def test_cpu_lanes_run_batches_at_once_and_keep_them_apart() -> None:

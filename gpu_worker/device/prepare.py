@@ -152,6 +152,19 @@ def next_batch_limit(limit: int, max_batch_size: int, headroom_bytes: int,
     return limit
 
 
+#: After running out of memory at a batch size, the limit stays below that size this long,
+#: s, however much memory looks free between batches: what is free after a batch says
+#: nothing of the peak a larger one needs. Doubling straight back ran out of memory again
+#: every few batches on an H200 (bench/gpu_correct.py, 2026-12-04).
+OOM_HOLD_S = 300.0
+
+
+def limit_ceiling(max_batch_size: int, held: tuple[int, float] | None, now: float) -> int:
+    """The largest batch limit free memory may restore: ``held`` (a limit, until when, on
+    the monotonic clock) after an out-of-memory, else ``max_batch_size``."""
+    return held[0] if held is not None and now < held[1] else max_batch_size
+
+
 def total_memory(device: torch.device) -> int:
     """Bytes of memory on a CUDA device; 0 elsewhere."""
     if device.type != "cuda":

@@ -44,6 +44,8 @@ from redbatch.common.protocol import ErrorCode
 from redbatch.gpu_worker.device.first_calls import FIRST_CALLS
 from redbatch.gpu_worker.device.prepare import (
     AUTOCAST_DTYPES,
+    OOM_HOLD_S,
+    limit_ceiling,
     next_batch_limit,
     precision,
     prepare_model,
@@ -146,6 +148,8 @@ class ModelRunner:
         self._watermark_bytes = int(memory_watermark * total_memory(device))
         self._bytes_per_item = 0
         self._base_bytes = 0
+        #: (limit, until when) after an out-of-memory: see OOM_HOLD_S.
+        self._oom_hold: tuple[int, float] | None = None
 
     @property
     def pipelined(self) -> bool:
@@ -314,11 +318,17 @@ class ModelRunner:
         free, _ = torch.cuda.mem_get_info(self.device)
         cached = torch.cuda.memory_reserved(self.device) - \
             torch.cuda.memory_allocated(self.device)
-        limit = next_batch_limit(self.batch_limit, self.max_batch_size, free + cached,
-                                 self._watermark_bytes, self._bytes_per_item)
+        self.follow_memory(free + cached, time.monotonic())
+
+    def follow_memory(self, headroom_bytes: int, now: float) -> None:
+        """Lower or restore the batch limit after a batch, from the device memory still
+        available; never back to a size that ran out of memory within OOM_HOLD_S."""
+        limit = next_batch_limit(self.batch_limit,
+                                 limit_ceiling(self.max_batch_size, self._oom_hold, now),
+                                 headroom_bytes, self._watermark_bytes, self._bytes_per_item)
         if limit != self.batch_limit:
             logger.warning("device memory headroom %.0f MiB (watermark %.0f MiB): batch "
-                           "limit %d -> %d", (free + cached) / 2**20,
+                           "limit %d -> %d", headroom_bytes / 2**20,
                            self._watermark_bytes / 2**20, self.batch_limit, limit)
             self.batch_limit = limit
 
@@ -362,6 +372,7 @@ class ModelRunner:
         if isinstance(e, torch.cuda.OutOfMemoryError):
             torch.cuda.empty_cache()
             self.batch_limit = max(1, min(self.batch_limit, len(slot_ids) // 2))
+            self._oom_hold = (self.batch_limit, time.monotonic() + OOM_HOLD_S)
             logger.warning("out of device memory at batch %d: batch limit now %d",
                            len(slot_ids), self.batch_limit)
         if len(slot_ids) == 1:
