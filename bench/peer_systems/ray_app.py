@@ -31,8 +31,8 @@ class Classify:
         # Ray sizes OMP_NUM_THREADS to an actor's CPU reservation; torch gets the cores
         # here explicitly, as in every peer.
         self.model = Classifier(threads)
-        self.batch.set_max_batch_size(max_batch_size)
-        self.batch.set_batch_wait_timeout_s(batch_wait_s)
+        self.batch.set_max_batch_size(max_batch_size)  # type: ignore[attr-defined]
+        self.batch.set_batch_wait_timeout_s(batch_wait_s)  # type: ignore[attr-defined]
 
     @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.005)
     async def batch(self, payloads: list[bytes]) -> list[dict[str, Any]]:
