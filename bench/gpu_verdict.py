@@ -112,6 +112,9 @@ def summary(run: Path, failed: list[str], skipped: list[str]) -> tuple[list[str]
             if m else "not measured"))
     lines.append(e2e_line("end to end:", image, "img/s"))
     lines.append(e2e_line("decode only:", decode, "img/s (null model, same photos)"))
+    deep = read(run, "decode-deep")
+    if deep:  # the same with each pool process holding 4x the work (--pool-prefetch-ms 20)
+        lines.append(e2e_line("", deep, "img/s (the same, --pool-prefetch-ms 20)"))
     lines.append(e2e_line("plumbing:", plumbing, "jobs/s (null_tensor)"))
     text = read(run, "text")
     lines.append(e2e_line("text:", text, "texts/s (random weights, bucketed)") if text

@@ -68,6 +68,11 @@ _batch_options = together(
 
 _process_options = together(
     o.POOL_PROCESSES(),
+    opt("--pool-prefetch-ms", env="POOL_PREFETCH_MS", type=click.FloatRange(min=0.1),
+        default=default_of(PoolSettings, "prefetch_ms"),
+        help="Preprocessing queued to each pool process at a time, ms of its recent pace: "
+             "more keeps many processes busy while the worker refills them (and sends more "
+             "tasks a message); less keeps urgent tasks from queueing behind bulk ones."),
     opt("--shm-prefix", env="SHM_PREFIX", default=default_of(PoolSettings, "shm_prefix"),
         help="Start of the worker's /dev/shm names (1-12 of A-Z a-z 0-9 _); at start a worker "
              "removes what dead workers with the same prefix left there."),
@@ -238,6 +243,7 @@ def build_settings(options: dict[str, Any]) -> Settings:
                             bulk_starve_ms=options["bulk_starve_ms"],
                             bulk_batch_ms=options["bulk_batch_ms"]),
         pool=PoolSettings(processes=options["pool_processes"],
+                          prefetch_ms=options["pool_prefetch_ms"],
                           shm_prefix=options["shm_prefix"]),
         limits=LimitSettings(max_payload_bytes=options["max_payload_bytes"],
                              max_image_pixels=options["max_image_pixels"]),

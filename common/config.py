@@ -236,6 +236,11 @@ class PoolSettings:
     start_method: str = "spawn"
     #: Times a job is retried after the pool process handling it died.
     crash_retries: int = 1
+    #: Work queued to one process at a time, in ms of preprocessing as recent records
+    #: measured it (preproc_worker/pool.py _Pace): more lets a process go on while the
+    #: worker refills it and sends more tasks a message; less keeps an urgent task from
+    #: queueing behind bulk work inside a process.
+    prefetch_ms: float = 5.0
     #: Start of the worker's /dev/shm names (1-12 of [A-Za-z0-9_]); a worker reclaims the
     #: entries of dead workers with its prefix at start (preproc_worker/shm.py).
     shm_prefix: str = DEFAULT_SHM_PREFIX
@@ -243,6 +248,8 @@ class PoolSettings:
     def __post_init__(self) -> None:
         if self.processes < 0:
             raise ValueError("pool processes must be >= 0 (0: auto)")
+        if not self.prefetch_ms > 0:
+            raise ValueError("pool prefetch must be > 0 ms")
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,10 +71,6 @@ from redbatch.preproc_worker.worker import (
 logger = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT_S = 5.0
-#: Work queued to one process at a time, in ms of preprocessing as recent records measured
-#: it: enough that light tasks cross in chunks, so little that an urgent task arriving is
-#: never queued behind much bulk work inside a process.
-PREFETCH_MS = 5.0
 #: Tasks queued to one process at a time, whatever their cost: at least one being worked on
 #: and one ready next; at most this many.
 MIN_PREFETCH, MAX_PREFETCH = 2, 64
@@ -93,12 +89,14 @@ class _Child:
 
 
 class _Pace:
-    """How many tasks a process may hold: about PREFETCH_MS of work at the median
-    preprocessing time of recent records (one huge photo, or the first task's warm-up, moves
-    it little), within [MIN_PREFETCH, MAX_PREFETCH]. Chunks are at most half of it, so that
-    one is ready while the other is worked on. Until records come back, tasks count as heavy."""
+    """How many tasks a process may hold: about ``prefetch_ms`` of work
+    (``PoolSettings.prefetch_ms``) at the median preprocessing time of recent records (one
+    huge photo, or the first task's warm-up, moves it little), within [MIN_PREFETCH,
+    MAX_PREFETCH]. Chunks are at most half of it, so that one is ready while the other is
+    worked on. Until records come back, tasks count as heavy."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefetch_ms: float) -> None:
+        self.prefetch_ms = prefetch_ms
         self.bound = MIN_PREFETCH
         self._recent: deque[float] = deque(maxlen=_PACE_WINDOW)
         self._unseen = 0
@@ -110,7 +108,7 @@ class _Pace:
             return
         self._unseen = 0
         typical_ms = statistics.median(self._recent)
-        fit = int(PREFETCH_MS / typical_ms) if typical_ms > 0 else MAX_PREFETCH
+        fit = int(self.prefetch_ms / typical_ms) if typical_ms > 0 else MAX_PREFETCH
         self.bound = max(MIN_PREFETCH, min(MAX_PREFETCH, fit))
 
     @property
@@ -140,7 +138,7 @@ class PreprocPool:
         self._backlog: list[deque[PreprocTask]] = [deque() for _ in self._models]
         self._waiting = 0
         self._turn = 0  # the model whose lines are looked at first for the next task
-        self._pace = _Pace()
+        self._pace = _Pace(settings.prefetch_ms)
         self._strikes: dict[int, int] = {}  # task key -> crashes charged to it
         self._stop = threading.Event()
         self._pump: threading.Thread | None = None

@@ -19,7 +19,7 @@ from redbatch.common.config import LimitSettings, PoolSettings
 from redbatch.common.protocol import ErrorCode
 from redbatch.handlers import EfficientNetLite0, NullModel
 from redbatch.handlers.base import preprocesses_inline
-from redbatch.preproc_worker.pool import PreprocPool
+from redbatch.preproc_worker.pool import PreprocPool, _Pace
 from redbatch.preproc_worker.shm import SlotAllocator, SlotArray
 from redbatch.preproc_worker.worker import PreprocDone, Task, preprocess_group
 
@@ -268,3 +268,15 @@ def test_an_inline_group_writes_the_pools_pixels_and_error_records() -> None:
             np.testing.assert_array_equal(slots.array[slot], expected)
     finally:
         slots.close()
+
+
+@pytest.mark.parametrize(("prefetch_ms", "bound"), [(5.0, 2), (20.0, 9), (1000.0, 64)])
+def test_a_process_holds_the_prefetch_in_ms_of_recent_work(prefetch_ms: float,
+                                                           bound: int) -> None:
+    """At 2.2 ms a photo (the first H200 run's pool), 5 ms holds 2 tasks, sent one a
+    message; 20 ms holds 9, sent 4 a message; never more than MAX_PREFETCH."""
+    pace = _Pace(prefetch_ms)
+    pace.observe([PreprocDone(i, i, preprocess_ms=2.2) for i in range(8)])
+    assert (pace.bound, pace.chunk) == (bound, bound // 2)
+    with pytest.raises(ValueError, match="prefetch"):
+        PoolSettings(prefetch_ms=0)
