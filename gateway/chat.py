@@ -94,7 +94,8 @@ async def _generate(request: Request, gateway: Gateway, kind: str) -> Response:
     except RedbatchError as e:
         await job.release()
         raise from_error(e, s.retry_after_s) from None
-    stream = _events(request, job, ask, first, chunks, after == 0)
+    resumed = request.headers.get("last-event-id") is not None
+    stream = _events(request, job, ask, first, chunks, not resumed)
     return StreamingResponse(stream, media_type="text/event-stream",
                              headers={**SSE_HEADERS, "X-Request-Id": job.public})
 

@@ -187,6 +187,9 @@ def test_a_dropped_stream_resumes_with_last_event_id(stack: Stack) -> None:
     assert indexes == list(range(len(indexes)))  # 0 (the role), then 1..n: no gap, no repeat
     whole = result(stack, rid)["output"]
     assert chat_text(seen + rest) == whole["text"]
+    # From the role's own event: the chunks, not the role again.
+    again = post(stack, "/v1/chat/completions", body, {"Last-Event-ID": seen[0]["id"]})
+    assert [int(e["id"].rsplit("/", 1)[1]) for e in sse(again) if "id" in e] == indexes[1:]
     assert json.loads(rest[-2]["data"])["choices"][0]["finish_reason"] == whole["finish_reason"]
     # Any reader, from any point: the native events of the same job, after chunk 2.
     conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=60)
