@@ -85,7 +85,7 @@ async def _generate(request: Request, gateway: Gateway, kind: str) -> Response:
     job = Job(gateway, tenant, ask.model, rid, keep)
     if not ask.stream:
         return await _answer(request, job, ask, timeout_s)
-    chunks = gateway.chunks(tenant, ask.model, rid, after, timeout_s)
+    chunks = gateway.chunks(tenant, ask.model, rid, after or 0, timeout_s)
     try:
         first = await until_disconnect(request, anext(chunks))
     except ClientGone:
@@ -94,16 +94,15 @@ async def _generate(request: Request, gateway: Gateway, kind: str) -> Response:
     except RedbatchError as e:
         await job.release()
         raise from_error(e, s.retry_after_s) from None
-    resumed = request.headers.get("last-event-id") is not None
-    stream = _events(request, job, ask, first, chunks, not resumed)
+    stream = _events(request, job, ask, first, chunks, after is None)
     return StreamingResponse(stream, media_type="text/event-stream",
                              headers={**SSE_HEADERS, "X-Request-Id": job.public})
 
 
 async def _job_of(request: Request, gateway: Gateway, tenant: Tenant, ask: GenerationAsk,
-                  timeout_s: float) -> tuple[str, int]:
+                  timeout_s: float) -> tuple[str, int | None]:
     """(request id, last chunk read) of the request's job: the one ``Last-Event-ID`` names
-    (a reconnect: nothing submitted), or a new one."""
+    (a reconnect: nothing submitted), or a new one (None: nothing read yet)."""
     resumed = parse_event_id(request.headers.get("last-event-id"))
     if resumed is not None:
         model, rid = parse_job_id(resumed[0], tenant)
@@ -114,7 +113,7 @@ async def _job_of(request: Request, gateway: Gateway, tenant: Tenant, ask: Gener
     rids = await gateway.submit(tenant, Submission(
         ask.model, [ask.payload()], timeout_s, lane_of(request), CONTENT_TYPE,
         [base] if base else []))
-    return rids[0], 0
+    return rids[0], None
 
 
 class Job:

@@ -190,6 +190,10 @@ def test_a_dropped_stream_resumes_with_last_event_id(stack: Stack) -> None:
     # From the role's own event: the chunks, not the role again.
     again = post(stack, "/v1/chat/completions", body, {"Last-Event-ID": seen[0]["id"]})
     assert [int(e["id"].rsplit("/", 1)[1]) for e in sse(again) if "id" in e] == indexes[1:]
+    # An empty Last-Event-ID (an EventSource before its first event) is a new stream.
+    fresh = sse(post(stack, "/v1/chat/completions", {**body, "max_tokens": 4},
+                     {"Last-Event-ID": ""}))
+    assert json.loads(fresh[0]["data"])["choices"][0]["delta"]["role"] == "assistant"
     assert json.loads(rest[-2]["data"])["choices"][0]["finish_reason"] == whole["finish_reason"]
     # Any reader, from any point: the native events of the same job, after chunk 2.
     conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=60)
