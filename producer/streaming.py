@@ -93,9 +93,12 @@ class TokenReader:
                 raise client_error(e) from e
             self.after = f"0-{chunks[-1].index}"
             self.done = chunks[-1].finish is not None
-            self.tokens_read += sum(len(c.token_ids) for c in chunks)
-            self.chars_read += sum(len(c.text) for c in chunks)
+            self._tally(chunks)
             return chunks
+
+    def _tally(self, chunks: list[Chunk]) -> None:
+        self.tokens_read += sum(len(c.token_ids) for c in chunks)
+        self.chars_read += sum(len(c.text) for c in chunks)
 
     def _rest(self, result: ResultEnvelope) -> Steps[Chunk]:
         """The last chunk of a stream that stopped short (PROTOCOL.md "Token stream": a
@@ -105,9 +108,7 @@ class TokenReader:
         if self.start != "0-0":
             before = yield Command(("XRANGE", self.keys.tokens(self.request_id), "-",
                                     self.start))
-            read = _chunks([[b"", before or []]])
-            self.tokens_read += sum(len(c.token_ids) for c in read)
-            self.chars_read += sum(len(c.text) for c in read)
+            self._tally(_entries(before or []))
             self.start = "0-0"
         out = result.output
         return Chunk(int(self.after.split("-")[1]) + 1, list(out["token_ids"][self.tokens_read:]),
@@ -121,7 +122,12 @@ def _chunks(reply: Any) -> list[Chunk]:
     list, a RESP3 map; each entry ``(id, fields)``, fields a map or a flat list)."""
     if not reply:
         return []
-    entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
+    return _entries(next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1])
+
+
+def _entries(entries: Any) -> list[Chunk]:
+    """The chunks of stream entries (an XRANGE reply, or one stream's of an XREAD), each
+    ``(id, fields)``, fields a map or a flat list."""
     return [Chunk.read(entry_id, fields if isinstance(fields, dict) else
                        dict(zip(fields[::2], fields[1::2], strict=True)))
             for entry_id, fields in entries]
