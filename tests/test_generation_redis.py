@@ -276,9 +276,10 @@ def test_another_client_reads_on_from_an_index_and_stops_the_job(gen: redis.Redi
     assert [c.index for c in seen] == list(range(3, 3 + len(seen)))
     assert res.output["text"].endswith("".join(c.text for c in seen))
     assert len(res.output["token_ids"]) < 200
-    # Queued (a stop key set first, then the cancel function): it never runs.
+    # Stopped as soon as it is submitted: cancelled in its queue, or, when the idle worker
+    # read it first, at its first steps (a long answer: it cannot end first on its own).
     with Client(redis_url, model=MODEL) as c:
-        rid = c.submit(json.dumps({"prompt": "Hello", "max_new_tokens": 4}),
+        rid = c.submit(json.dumps({"messages": long, "max_new_tokens": 1024}),
                        content_type="application/json")
         c.stop(rid)
         res = c.result(rid, WAIT_S)
