@@ -14,6 +14,7 @@ One module per command group, each importing downward only:
                       list, replay, purge dead letters
     fleet.py          status, top: a running fleet, once or live
     acl.py            acl: least-privilege Redis users
+    sweep.py          sweep: mend the owner and stop keys a producer may have planted
     gateway.py        gateway: the HTTP gateway (the gateway/ package) under uvicorn
     errors.py         how an ordinary mistake is said: one line and an exit code
 
@@ -24,7 +25,18 @@ Beside them live what the commands use: the private-stack supervisors
 
 import click
 from redbatch import __version__
-from redbatch.cli import acl, calibrate, fleet, gateway, generate, queues, score, submit, worker
+from redbatch.cli import (
+    acl,
+    calibrate,
+    fleet,
+    gateway,
+    generate,
+    queues,
+    score,
+    submit,
+    sweep,
+    worker,
+)
 from redbatch.cli.errors import ordinary
 
 HELP = """redbatch: dynamic-batching PyTorch inference over Redis streams.
@@ -67,7 +79,7 @@ def main() -> None:
 
 for _command in (worker.worker, calibrate.calibrate, submit.submit, score.score, queues.limit,
                  queues.partitions, queues.job, queues.dlq, fleet.status, fleet.top, acl.acl,
-                 gateway.gateway, generate.generate):
+                 gateway.gateway, generate.generate, sweep.sweep_command):
     main.add_command(_command)
 
 __all__ = ["main"]

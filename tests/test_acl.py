@@ -458,3 +458,67 @@ def test_generation_streams_and_cancels_under_the_users(server: RedisServer,
     assert nopermed(lambda: w.xadd(THEIRS.tokens("x"), {"tokens": "1", "text": "x"}))
     assert nopermed(lambda: w.set(CHAT_KEYS.stop("x"), STOP_VALUE))  # it reads stops only
     assert nopermed(lambda: w.mget([THEIRS.stop("x")]))
+
+
+def test_a_sweep_takes_back_what_a_producer_pinned(
+        server: RedisServer, users: dict[str, str],
+        as_user: Callable[[str], redis.Redis]) -> None:
+    """Issue 28, item 4: the producer may SET owner and stop keys (the admission function
+    runs as the caller), with any value and no TTL; Redis ACLs cannot bind arguments. The
+    admin's ``redbatch sweep`` mends what no protocol writer leaves, and nothing else."""
+    p, admin = as_user("producer"), redis.Redis.from_url(server.url)
+    big = b"x" * (10 << 20)
+    second = Keys(TEST_MODEL).part(2)
+    planted = {KEYS.owner("pinned"): big, second.owner("pinned"): big,
+               KEYS.owner("forever"): b"1712345678901-0 bulk", KEYS.stop("pinned"): big,
+               KEYS.stop("forever"): STOP_VALUE.encode()}
+    for key, value in planted.items():
+        assert p.set(key, value)  # what the ACL cannot refuse
+    admin.set(THEIRS.owner("pinned"), big)  # another model: outside --model
+    with Client(users["producer"], model=TEST_MODEL) as client:
+        real = client.submit(b"not a photo", timeout_s=60)
+    before = admin.pttl(KEYS.owner(real))
+    used = admin.info("memory")["used_memory"]
+    out = cli("sweep", "--redis", server.url, "--model", TEST_MODEL)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["deleted"] == {"owner": 2} and report["shrunk"] == {"stop": 1}
+    assert report["expiry_set"] == {"owner": 1, "stop": 1}  # the shrunk one got its TTL
+    assert not admin.exists(KEYS.owner("pinned"), second.owner("pinned"))
+    assert admin.get(KEYS.stop("pinned")) == STOP_VALUE.encode()  # still stopped
+    assert 0 < admin.pttl(KEYS.stop("pinned")) <= STOP_TTL_MS
+    assert 0 < admin.pttl(KEYS.stop("forever")) <= STOP_TTL_MS
+    assert 6 * 86400_000 < admin.pttl(KEYS.owner("forever")) <= 7 * 86400_000
+    assert admin.get(KEYS.owner("forever")) == b"1712345678901-0 bulk"
+    assert before - 5000 < admin.pttl(KEYS.owner(real)) <= before  # a real owner untouched
+    assert admin.strlen(THEIRS.owner("pinned")) == len(big)
+    assert admin.info("memory")["used_memory"] < used - 25 * (1 << 20)
+    again = json.loads(cli("sweep", "--redis", server.url, "--model", TEST_MODEL).stdout)
+    assert again["deleted"] == {"owner": 0} and again["expiry_set"] == {"owner": 0, "stop": 0}
+    dry = json.loads(cli("sweep", "--redis", server.url, "--dry-run").stdout)
+    assert dry["deleted"] == {"owner": 1} and admin.strlen(THEIRS.owner("pinned")) == len(big)
+    for key in (KEYS.owner("forever"), KEYS.stop("pinned"), KEYS.stop("forever"),
+                KEYS.owner(real), THEIRS.owner("pinned")):
+        admin.delete(key)
+    admin.close()
+
+
+def test_a_sweep_is_the_admins(users: dict[str, str]) -> None:
+    out = cli("sweep", "--redis", users["producer"])
+    assert out.returncode == 1 and out.stdout == ""
+    assert len(out.stderr.strip().splitlines()) == 1 and PRODUCER_PW not in out.stderr
+
+
+@pytest.mark.parametrize(("kind", "value", "ttl_ms", "action"), [
+    ("owner", b"1712345678901-0 bulk", 5000, None),
+    ("owner", b"1712345678901-0 interactive cancel", -1, "expire"),
+    ("owner", b"1712345678901-0", 5000, None),  # an older writer's bare entry id
+    ("owner", b"taken first", 5000, "delete"),
+    ("owner", b"1-1 bulk" + b" " * 60, 5000, "delete"),
+    ("stop", STOP_VALUE.encode(), 5000, None),
+    ("stop", b"anything short", -1, "expire"),
+    ("stop", b"x" * 65, 5000, "shrink"),
+])
+def test_what_a_sweep_mends(kind: Any, value: bytes, ttl_ms: int, action: str | None) -> None:
+    from redbatch.cli.sweep import MAX_VALUE_BYTES, decide
+    assert decide(kind, len(value), value[:MAX_VALUE_BYTES], ttl_ms) == action

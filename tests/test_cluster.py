@@ -271,3 +271,18 @@ def test_a_failover_under_load_loses_no_accepted_job(
         assert all(proc.poll() is None for proc, _ in workers), "workers never exit"
     assert cluster.master_of(keys.dlq()) is not master and rc.xlen(keys.dlq()) == 0
     # The ``cluster`` fixture starts it again, as a replica, before the next cluster test.
+
+
+def test_a_sweep_reaches_every_master(cluster: LocalCluster, rc: redis.Redis) -> None:
+    """``redbatch sweep`` over a cluster: planted owner keys of models whose slots lie on
+    each master (and of partitions of one) are all found and mended."""
+    models = [f"swept_{i}" for i in range(12)]
+    planted = [Keys(m).owner("pinned") for m in models] + [Keys(models[0]).part(3).owner("x")]
+    for key in planted:
+        rc.set(key, b"y" * 100_000)
+    assert len({cluster.master_of(k).port for k in planted}) == cluster.masters
+    out = subprocess.run([sys.executable, "-m", "redbatch.cli", "sweep", "--redis", cluster.url],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["deleted"]["owner"] == len(planted)
+    assert not any(rc.exists(k) for k in planted)
