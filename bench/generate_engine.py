@@ -14,9 +14,9 @@ smollm2_135m model, driven four ways on the same clock:
   decodes first), prefix cache off;
 * and on a second workload whose requests share a long system prompt, continuous batching
   without and with the prefix cache;
-* and, where transformers is installed (the ``reference`` extra), the first workload
-  through transformers' own continuous batching on the same file and threads, the peer
-  (bench/transformers_peer.py).
+* and, where transformers is installed (the ``reference`` extra), both workloads through
+  transformers' own continuous batching on the same file and threads, the peer
+  (bench/transformers_peer.py), whose prefix sharing is on by default.
 
 Reports tokens/s (answer tokens over the span from the first arrival to the last answer),
 time to first token p50/p99 (from each request's arrival), steps, and the process's CPU
@@ -195,11 +195,13 @@ def main() -> None:
     runs += [drive("shared prompt, no cache", model, shared, continuous, plain),
              drive("shared prompt, prefix cache", model, shared, continuous, cached)]
     why_not = transformers_peer.available()
-    peer = None
-    if why_not is None:
-        peer = transformers_peer.drive(transformers_peer.load(), mix, 32, 256,
-                                       Run("transformers continuous"))
-        runs.append(peer)
+    peer = shared_peer = None
+    if why_not is None:  # its prefix sharing (allow_block_sharing) is on by default
+        reference = transformers_peer.load()
+        peer = transformers_peer.drive(reference, mix, 32, 256, Run("transformers continuous"))
+        shared_peer = transformers_peer.drive(reference, shared, 32, 256,
+                                              Run("transformers, shared prompt"))
+        runs += [peer, shared_peer]
     for run in runs:
         report(run)
     write_csv(runs)
@@ -222,6 +224,11 @@ def main() -> None:
         print(f"continuous / transformers tokens/s:  {cont.tokens_per_s / peer.tokens_per_s:.2f}x")
         print(f"transformers / continuous CPU per token: "
               f"{(peer.cpu_s / peer.tokens) / (cont.cpu_s / cont.tokens):.2f}x")
+    if shared_peer is not None:
+        print(f"prefix cache / transformers tokens/s, shared prompt: "
+              f"{hit.tokens_per_s / shared_peer.tokens_per_s:.2f}x")
+        print(f"prefix cache / transformers TTFT p50, shared prompt: "
+              f"{hit.ttft(0.5) / shared_peer.ttft(0.5):.2f}x")
 
 
 if __name__ == "__main__":
