@@ -102,6 +102,9 @@ class PreprocDone:
     cost: int = 0
     #: Rows of the model's batch the input fills (a list of texts: one per text).
     rows: int = 1
+    #: ``time.monotonic()`` when the process finished it (one clock for every process on
+    #: the host): the pool measures how long a record takes to come back and be refilled.
+    finished_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +142,8 @@ def preprocess_one(handler: Any, slots: SlotArray, task: PreprocTask) -> Preproc
     """Run the handler's preprocess into the task's slot; bad input becomes an error record."""
     code, message, ms, cost, rows = _preprocess(handler, slots.array[task.slot], task.payload,
                                                 task.content_type, task.params)
-    return PreprocDone(task.key, task.slot, code, message, ms, task.attempt, cost, rows)
+    return PreprocDone(task.key, task.slot, code, message, ms, task.attempt, cost, rows,
+                       time.monotonic())
 
 
 #: One input of ``preprocess_group``: slot, payload, content type, params.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import multiprocessing
 import os
 import queue
@@ -280,3 +281,18 @@ def test_a_process_holds_the_prefetch_in_ms_of_recent_work(prefetch_ms: float,
     assert (pace.bound, pace.chunk) == (bound, bound // 2)
     with pytest.raises(ValueError, match="prefetch"):
         PoolSettings(prefetch_ms=0)
+
+
+def test_a_process_holds_enough_to_outlast_the_refill() -> None:
+    """At 2.2 ms a photo and 5 ms of prefetch, a process holds 2 tasks; when records take
+    3 ms (90th percentile) to come back and be refilled, one held task would run out first:
+    it holds 2 x REFILL_MARGIN x 3 ms of work instead, and goes back once trips are short."""
+    from redbatch.preproc_worker.pool import REFILL_MARGIN
+    pace = _Pace(5.0)
+    now = 1000.0
+    slow = [PreprocDone(i, i, preprocess_ms=2.2, finished_s=now - 0.003) for i in range(32)]
+    pace.observe(slow, now_s=now)
+    assert pace.bound == math.ceil(2 * REFILL_MARGIN * 3.0 / 2.2) == 6 and pace.chunk == 3
+    quick = [PreprocDone(i, i, preprocess_ms=2.2, finished_s=now - 0.0002) for i in range(32)]
+    pace.observe(quick, now_s=now)
+    assert pace.bound == 2
