@@ -301,7 +301,8 @@ e2e() {  # NAME MODEL PAYLOAD [WORKER ARGS]
 e2e image efficientnet_lite0 photos "--calibrate off --max-batch-size $MAX_BATCH"
 e2e decode null photos "--calibrate off --max-batch-size $MAX_BATCH"
 # The first H200 run's pool was about a sixth busy at 2.2 ms a photo: each process held 2
-# tasks (5 ms of work), sent one a message. The same with 4x the work held, to compare.
+# tasks (5 ms of work), sent one a message. The pace now also holds enough to outlast the
+# refill (preproc_worker/pool.py _Pace); the same with 4x the work held, to compare.
 e2e decode-deep null photos "--calibrate off --max-batch-size $MAX_BATCH --pool-prefetch-ms 20"
 e2e plumbing null_tensor tensors "--calibrate off --max-batch-size $MAX_BATCH"
 if [ "$TEXT" = 1 ]; then
