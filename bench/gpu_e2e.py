@@ -103,6 +103,19 @@ def cpu_s(p: psutil.Process, children: bool = False) -> float:
         return 0.0
 
 
+def pool_processes(worker: psutil.Process) -> int:
+    """The worker's pool processes (spawned children, not multiprocessing's resource
+    tracker)."""
+    try:
+        found = 0
+        for child in worker.children(recursive=True):
+            line = " ".join(child.cmdline())
+            found += "spawn_main" in line and "resource_tracker" not in line
+        return found
+    except psutil.Error:
+        return 0
+
+
 def snapshot(r: redis.Redis, producers: Producers, worker: psutil.Process,
              server: psutil.Process) -> dict[str, Any]:
     jobs, failed = producers.answered()
@@ -137,10 +150,15 @@ def steady(args: argparse.Namespace, server: RedisServer, worker_pid: int,
         r.close()
     jobs, span = max(1, b["jobs"] - a["jobs"]), b["at"] - a["at"]
     calls = commands_between(a["stats"], b["stats"])
+    processes = pool_processes(wproc)
     return {"jobs": b["jobs"] - a["jobs"], "failed": b["failed"] - a["failed"],
             "jobs_per_s": (b["jobs"] - a["jobs"]) / span,
             "worker_cpu_ms": (b["worker"] - a["worker"]) * 1000 / jobs,
             "pool_cpu_ms": (b["pool"] - a["pool"]) * 1000 / jobs,
+            "pool_processes": processes,
+            # Each pool process's share of a core: decoding is CPU, so well under 1 means
+            # the processes waited for work (the worker's refill), not that they were slow.
+            "pool_busy": (b["pool"] - a["pool"]) / span / processes if processes else 0.0,
             "redis_cpu_ms": (b["redis"] - a["redis"]) * 1000 / jobs,
             "redis_cpu_share": (b["redis"] - a["redis"]) / span,
             "redis_calls_per_job": sum(s.calls for s in calls.values()) / jobs,

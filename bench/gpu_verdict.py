@@ -12,8 +12,9 @@ model alone at its best batch (forward passes only, same device and variant). Th
 the part that holds end to end back: ``model`` when it reaches the target; else ``redis`` or
 ``python`` when the null_tensor plumbing (nothing decoded, nothing computed) is hardly
 faster than end to end (redis when redis-server used most of its one core), ``decode``
-when the null model on the same photos (decoding only) is, ``python`` when the worker's
-own process used most of a core, else ``model`` (the device path, not the model, then).
+when the null model on the same photos (decoding only) is, with its pool processes busy
+(else ``python``: the worker did not feed them), ``python`` when the worker's own process
+used most of a core, else ``model`` (the device path, not the model, then).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ TARGET = 0.9
 NEAR = 1.25
 #: Share of one core past which a single-threaded part (redis-server, the GIL) is saturated.
 BUSY = 0.8
+#: A pool whose processes were busy less than this share of the time was starved of work.
+STARVED = 0.5
 
 
 def read(run: Path, name: str) -> dict[str, Any]:
@@ -51,7 +54,9 @@ def limiting_part(image: dict[str, Any], decode: dict[str, Any], plumbing: dict[
     if plumbing.get("jobs_per_s", math.inf) <= NEAR * rate:
         return "redis" if plumbing.get("redis_cpu_share", 0.0) >= BUSY else "python"
     if decode.get("jobs_per_s", math.inf) <= NEAR * rate:
-        return "decode"
+        # Decoding only is hardly faster: the pool's cores, unless its processes were
+        # mostly idle, waiting for the worker to send them work.
+        return "python" if decode.get("pool_busy", 1.0) < STARVED else "decode"
     if image.get("worker_cpu_ms", 0.0) * rate / 1000 >= BUSY:
         return "python"
     return "model"
@@ -87,10 +92,12 @@ def generation_note() -> str:
 def e2e_line(label: str, d: dict[str, Any], unit: str = "jobs/s") -> str:
     if not d:
         return f"{label:<15}not measured"
+    pool = (f" ({d['pool_processes']} processes, {d['pool_busy']:.0%} busy)"
+            if d.get("pool_processes") else "")
     return (f"{label:<15}{d['jobs_per_s']:.1f} {unit}; worker CPU {d['worker_cpu_ms']:.3f} "
-            f"ms/job, pool {d['pool_cpu_ms']:.3f}, redis-server {d['redis_cpu_ms']:.3f}; "
-            f"Redis calls {d['redis_calls_per_job']:.2f}/job; p99 {d['p99_ms']:.1f} ms at "
-            f"{d['load']:.0%} ({d['offered_per_s']:.0f}/s offered, "
+            f"ms/job, pool {d['pool_cpu_ms']:.3f}{pool}, redis-server "
+            f"{d['redis_cpu_ms']:.3f}; Redis calls {d['redis_calls_per_job']:.2f}/job; p99 "
+            f"{d['p99_ms']:.1f} ms at {d['load']:.0%} ({d['offered_per_s']:.0f}/s offered, "
             f"{d['achieved_per_s']:.0f}/s achieved)")
 
 

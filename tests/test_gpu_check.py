@@ -74,6 +74,7 @@ def test_the_dry_run_ends_with_a_verdict_and_at_most_8_files(tmp_path: Path) -> 
     ratio = float(VERDICT.match(lines[-1]).group(2))  # type: ignore[union-attr]
     assert ratio > 0, summary  # end to end answered jobs, and the model alone ran
     assert re.search(r"device_error: ok .*\"exit_code\": 3", summary)
+    assert re.search(r"decode only: .* \(\d+ processes, \d+% busy\)", summary), summary
     files = sorted(p.name for p in out.rglob("*") if p.is_file())
     assert files == ["env.txt", "results.tar.gz", "summary.txt"]
     assert "redis: Redis server" in (out / "env.txt").read_text()
@@ -82,3 +83,16 @@ def test_the_dry_run_ends_with_a_verdict_and_at_most_8_files(tmp_path: Path) -> 
     for part in ("correct", "model", "image", "decode", "plumbing", "text"):
         assert f"run/{part}.json" in names, names
     assert run.returncode == (0 if " PASS " in lines[-1] else 1)
+
+
+def test_a_decode_bound_run_with_an_idle_pool_blames_the_worker() -> None:
+    """Decoding only hardly faster than end to end is the pool's cores only when its
+    processes were busy; idle ones waited for the worker (the first H200 run: a sixth
+    busy), which is Python's part."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_verdict import limiting_part
+    image, plumbing = {"jobs_per_s": 1000.0, "worker_cpu_ms": 0.5}, {"jobs_per_s": 9000.0}
+    busy = {"jobs_per_s": 1100.0, "pool_busy": 0.9}
+    assert limiting_part(image, busy, plumbing, 0.2) == "decode"
+    assert limiting_part(image, {**busy, "pool_busy": 0.17}, plumbing, 0.2) == "python"
+    assert limiting_part(image, {"jobs_per_s": 5000.0}, plumbing, 0.2) == "model"
