@@ -7,6 +7,7 @@ with :func:`default_of`.
 
 from __future__ import annotations
 
+import logging
 import signal
 from typing import Any
 
@@ -30,6 +31,8 @@ from redbatch.common.config import (
 )
 from redbatch.common.logs import setup_logging
 from redbatch.common.redis_io import RedisUnavailable
+
+logger = logging.getLogger(__name__)
 
 #: --autocast's choices: the flag's word for each ModelSettings.autocast dtype.
 AUTOCAST = {"off": "", "fp16": "float16", "bf16": "bfloat16"}
@@ -213,7 +216,11 @@ def worker(**options: Any) -> None:
         except RedisUnavailable:  # stopped before Redis answered
             if signal.SIGINT in seen:  # Ctrl-C: 130, as every command says it
                 raise Interrupted("interrupted while waiting for Redis") from None
-            raise
+            if not seen:
+                raise
+            # SIGTERM: the supervisor's orderly stop, which is no failure (exit 0)
+            logger.info("stopped while waiting for Redis: nothing was read")
+            return
     if w.device_failed:
         # For the supervisor: restart me. Not sys.exit: a lane thread stuck in the device
         # would keep the interpreter from exiting (NOTE [ Device watchdog ]).

@@ -89,6 +89,28 @@ def test_a_worker_stopped_while_it_waits_for_redis_says_so_in_one_line(
         assert any("Redis not reachable" in x["message"] for x in logged)
 
 
+def test_a_worker_sigtermed_while_it_waits_for_redis_stops_cleanly(dead_redis: str) -> None:
+    """SIGTERM is a supervisor's orderly stop: before Redis ever answered, nothing was
+    read, so the worker says so and exits 0 (it said "cannot reach Redis" and exited 1)."""
+    proc = subprocess.Popen([sys.executable, "-m", "redbatch.cli", "worker", "--redis",
+                             dead_redis, "--model", "null", "--calibrate", "off",
+                             "--metrics-port", "0"], env=settings_free_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "Redis not reachable" in line or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, rest = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, rest
+    assert "stopped while waiting for Redis" in rest and "Traceback" not in rest
+    assert "Error:" not in rest
+
+
 @pytest.mark.parametrize("case", ["no scheme", "missing output folder", "empty folder",
                                   "empty folder (submit)", "unreadable file",
                                   "not a request id", "unknown model (private stack)",
