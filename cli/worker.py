@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from typing import Any
+from typing import Any, Protocol
 
 import click
 from redbatch.cli import options as o
@@ -202,29 +202,41 @@ def worker(**options: Any) -> None:
         from redbatch.gpu_worker.generating import GenerationWorker
 
         g = GenerationWorker(settings)
-        with signals_stop(g.stop, g.abort):
-            g.run()
+        _serve(g)
         if g.device_failed:
             exit_now(DEVICE_EXIT_CODE)
         return
     w = Worker(settings)
+    _serve(w)
+    if w.device_failed:
+        # For the supervisor: restart me. Not sys.exit: a lane thread stuck in the device
+        # would keep the interpreter from exiting (NOTE [ Device watchdog ]).
+        exit_now(DEVICE_EXIT_CODE)
+
+
+class _Served(Protocol):
+    """What ``_serve`` runs: a Worker or a GenerationWorker."""
+
+    def run(self) -> None: ...
+    def stop(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+def _serve(w: _Served) -> None:
+    """Run ``w`` until SIGINT/SIGTERM stops it (a second one aborts). Stopped before Redis
+    ever answered, it read nothing: Ctrl-C exits 130, as every command says it, and SIGTERM,
+    a supervisor's orderly stop, 0."""
     with signals_stop(w.stop, w.abort) as seen:
         try:
             w.run()
         except ValueError as e:  # a bad --model or --device: say so, without a traceback
             raise click.ClickException(str(e)) from e
         except RedisUnavailable:  # stopped before Redis answered
-            if signal.SIGINT in seen:  # Ctrl-C: 130, as every command says it
+            if signal.SIGINT in seen:
                 raise Interrupted("interrupted while waiting for Redis") from None
             if not seen:
                 raise
-            # SIGTERM: the supervisor's orderly stop, which is no failure (exit 0)
             logger.info("stopped while waiting for Redis: nothing was read")
-            return
-    if w.device_failed:
-        # For the supervisor: restart me. Not sys.exit: a lane thread stuck in the device
-        # would keep the interpreter from exiting (NOTE [ Device watchdog ]).
-        exit_now(DEVICE_EXIT_CODE)
 
 
 def _explicit(ctx: click.Context) -> frozenset[str]:

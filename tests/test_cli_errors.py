@@ -89,11 +89,14 @@ def test_a_worker_stopped_while_it_waits_for_redis_says_so_in_one_line(
         assert any("Redis not reachable" in x["message"] for x in logged)
 
 
-def test_a_worker_sigtermed_while_it_waits_for_redis_stops_cleanly(dead_redis: str) -> None:
+@pytest.mark.parametrize("model", ["null", "smollm2_135m"])
+def test_a_worker_sigtermed_while_it_waits_for_redis_stops_cleanly(dead_redis: str,
+                                                                   model: str) -> None:
     """SIGTERM is a supervisor's orderly stop: before Redis ever answered, nothing was
-    read, so the worker says so and exits 0 (it said "cannot reach Redis" and exited 1)."""
+    read, so the worker (an image one, a generation one) says so and exits 0 (it said
+    "cannot reach Redis" and exited 1)."""
     proc = subprocess.Popen([sys.executable, "-m", "redbatch.cli", "worker", "--redis",
-                             dead_redis, "--model", "null", "--calibrate", "off",
+                             dead_redis, "--model", model, "--calibrate", "off",
                              "--metrics-port", "0"], env=settings_free_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
