@@ -9,6 +9,12 @@ so N processes could answer about N / (DECODE_S + their decode) jobs a second wh
 using little of this machine's two cores. A closed loop keeps 256 jobs in flight. Prints
 jobs/s per round and last the ratio to that ideal: what is missing is processes idling
 while the pool holds work for them (preproc_worker/pool.py ``_Pace``).
+
+The same handler carries photos without decoding them (past PHOTO_BYTES it only waits), so
+the worker's own CPU for photo-sized payloads can be read at GPU-like rates here:
+
+    PYTHONPATH=bench .venv/bin/python bench/cpu_budget.py --model pool_refill:factory \
+        --worker-args "--pool-processes 8" [--record]
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ from redbatch.handlers.imagenet import NullModel
 DECODE_S = 0.0022
 #: A tiny JPEG's decode here, s, for the ideal rate.
 TINY_S = 0.0002
+#: Payloads past this many bytes are photos, not decoded (bench/cpu_budget.py sends the
+#: sample photos to this model: the hand-off of photo-sized payloads, without their decode).
+PHOTO_BYTES = 16_384
 
 
 class SleepyNull(NullModel):
@@ -40,6 +49,9 @@ class SleepyNull(NullModel):
     def preprocess(self, payload: bytes, content_type: str, params: Mapping[str, Any],
                    out: np.ndarray) -> None:
         time.sleep(DECODE_S)
+        if len(payload) > PHOTO_BYTES:  # a photo: its bytes travel, its decode is the wait
+            out.fill(0)
+            return
         super().preprocess(payload, content_type, params, out)
 
 
