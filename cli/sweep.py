@@ -23,6 +23,7 @@ NOTE [ What a producer can pin, and why a sweep ]
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -38,6 +39,9 @@ from redbatch.common.protocol import parse_owner
 from redbatch.common.protocol.admission import MAX_IDEMPOTENCY_WINDOW_MS
 from redbatch.common.protocol.generation import STOP_TTL_MS, STOP_VALUE
 from redbatch.common.protocol.keys import PARTITION_SEP, validate_name
+from redbatch.common.redis_io import REDIS_ERRORS
+
+logger = logging.getLogger(__name__)
 
 Kind = Literal["owner", "stop"]
 Action = Literal["delete", "expire", "shrink"]
@@ -130,7 +134,8 @@ def _mend(r: redis.Redis, kind: Kind, keys: list[bytes], tally: Tally, dry_run: 
     mends, sent = r.pipeline(transaction=False), []
     for i, key in enumerate(keys):
         length, head, ttl_ms = read[3 * i:3 * i + 3]
-        if not (isinstance(length, int) and isinstance(head, bytes) and isinstance(ttl_ms, int)):
+        if not (isinstance(length, int) and isinstance(head, bytes) and isinstance(ttl_ms, int))\
+                or ttl_ms == -2:
             continue  # gone or retyped since the scan
         tally.scanned[kind] += 1
         action = decide(kind, length, head, ttl_ms)
@@ -152,7 +157,8 @@ def _mend(r: redis.Redis, kind: Kind, keys: list[bytes], tally: Tally, dry_run: 
     _model(m) for m in v], help="A model whose keys to sweep (again for more) [default: every "
                                 "model under the prefix].")
 @click.option("--every", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
-              help="Sweep again every SECONDS until stopped (SIGINT, SIGTERM).")
+              help="Sweep again every SECONDS until stopped (SIGINT, SIGTERM); a pass "
+                   "Redis fails is logged and tried again then.")
 @click.option("--dry-run", is_flag=True, default=False,
               help="Count what would be mended, change nothing.")
 def sweep_command(models: list[str], every: float | None, dry_run: bool,
@@ -168,8 +174,14 @@ def sweep_command(models: list[str], every: float | None, dry_run: bool,
     stopped = threading.Event()
     with signals_stop(stopped.set, stopped.set):
         while True:
-            tally = sweep(r, options["prefix"], models, dry_run)
-            click.echo(json.dumps({"dry_run": dry_run, **asdict(tally)}))
+            try:
+                tally = sweep(r, options["prefix"], models, dry_run)
+                click.echo(json.dumps({"dry_run": dry_run, **asdict(tally)}))
+            except REDIS_ERRORS as e:
+                if every is None:
+                    raise  # one pass: the group's one line, exit 1
+                logger.warning("sweep: Redis not reachable (%s); again in %g s",
+                               type(e).__name__, every)
             if every is None or stopped.wait(every):
                 return
 

@@ -522,3 +522,36 @@ def test_a_sweep_is_the_admins(users: dict[str, str]) -> None:
 def test_what_a_sweep_mends(kind: Any, value: bytes, ttl_ms: int, action: str | None) -> None:
     from redbatch.cli.sweep import MAX_VALUE_BYTES, decide
     assert decide(kind, len(value), value[:MAX_VALUE_BYTES], ttl_ms) == action
+
+
+def test_a_repeating_sweep_rides_out_redis_away() -> None:
+    """``--every``: a pass Redis fails is one warning, the next pass runs once Redis is
+    back, and SIGTERM ends the loop with exit 0."""
+    import signal
+    import threading
+    with RedisServer() as s:
+        proc = subprocess.Popen([sys.executable, "-m", "redbatch.cli", "sweep", "--redis",
+                                 s.url, "--every", "1"], env=settings_free_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        watchdog = threading.Timer(120, proc.kill)  # a hang ends the reads below (EOF)
+        watchdog.start()
+        try:
+            assert proc.stdout is not None and proc.stderr is not None
+            assert json.loads(proc.stdout.readline())["deleted"] == {"owner": 0}
+            s.kill()
+            for line in proc.stderr:
+                if "Redis not reachable" in line:
+                    break
+            s.start()
+            redis.Redis.from_url(s.url).set(KEYS.owner("planted"), b"x" * 100)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if json.loads(proc.stdout.readline())["deleted"] == {"owner": 1}:
+                    break
+            else:
+                raise AssertionError("no pass after Redis came back")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            watchdog.cancel()
+            proc.kill()
