@@ -58,16 +58,14 @@ def test_an_unreachable_redis_is_one_line(dead_redis: str, command: tuple[str, .
     said(proc, proc.stderr, 1, "Error: cannot reach Redis: ")
 
 
-@pytest.mark.parametrize("log_format", ["text", "json"])
-def test_a_worker_stopped_while_it_waits_for_redis_says_so_in_one_line(
-        dead_redis: str, log_format: str) -> None:
-    """Its log says why it waits, one line per retry; with --log-format json every log
-    line is a JSON object (the command's own closing error stays click's one line)."""
-    env = settings_free_env()
+def signalled_while_waiting(dead_redis: str, signum: int, *args: str
+                            ) -> tuple[subprocess.Popen[str], list[str], str]:
+    """A worker on ``dead_redis`` (worker ``args`` added) sent ``signum`` once it logs that
+    it waits for Redis: the process, the log lines before the signal and the rest."""
     proc = subprocess.Popen([sys.executable, "-m", "redbatch.cli", "worker", "--redis",
-                             dead_redis, "--model", "null", "--calibrate", "off",
-                             "--metrics-port", "0", "--log-format", log_format], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             dead_redis, "--calibrate", "off", "--metrics-port", "0", *args],
+                            env=settings_free_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     seen = []
     try:
         deadline = time.monotonic() + 120
@@ -76,10 +74,20 @@ def test_a_worker_stopped_while_it_waits_for_redis_says_so_in_one_line(
             seen.append(line)
             if "Redis not reachable" in line or time.monotonic() > deadline:
                 break
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         _, rest = proc.communicate(timeout=60)
     finally:
         proc.kill()
+    return proc, seen, rest
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_worker_stopped_while_it_waits_for_redis_says_so_in_one_line(
+        dead_redis: str, log_format: str) -> None:
+    """Its log says why it waits, one line per retry; with --log-format json every log
+    line is a JSON object (the command's own closing error stays click's one line)."""
+    proc, seen, rest = signalled_while_waiting(dead_redis, signal.SIGINT, "--model", "null",
+                                               "--log-format", log_format)
     # Ctrl-C: 130, as in every other command (the worker said 1 before).
     said(proc, rest, 130, "Error: interrupted while waiting for Redis")
     if log_format == "json":
@@ -95,20 +103,7 @@ def test_a_worker_sigtermed_while_it_waits_for_redis_stops_cleanly(dead_redis: s
     """SIGTERM is a supervisor's orderly stop: before Redis ever answered, nothing was
     read, so the worker (an image one, a generation one) says so and exits 0 (it said
     "cannot reach Redis" and exited 1)."""
-    proc = subprocess.Popen([sys.executable, "-m", "redbatch.cli", "worker", "--redis",
-                             dead_redis, "--model", model, "--calibrate", "off",
-                             "--metrics-port", "0"], env=settings_free_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            if "Redis not reachable" in line or time.monotonic() > deadline:
-                break
-        proc.send_signal(signal.SIGTERM)
-        _, rest = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    proc, _, rest = signalled_while_waiting(dead_redis, signal.SIGTERM, "--model", model)
     assert proc.returncode == 0, rest
     assert "stopped while waiting for Redis" in rest and "Traceback" not in rest
     assert "Error:" not in rest
