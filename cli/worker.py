@@ -198,17 +198,15 @@ def worker(**options: Any) -> None:
     from redbatch.gpu_worker.device.watchdog import DEVICE_EXIT_CODE, exit_now
     from redbatch.gpu_worker.worker import Worker
 
+    served: _Served
     if settings.model.spec in GENERATION_MODELS and not settings.more_models:
         from redbatch.gpu_worker.generating import GenerationWorker
 
-        g = GenerationWorker(settings)
-        _serve(g)
-        if g.device_failed:
-            exit_now(DEVICE_EXIT_CODE)
-        return
-    w = Worker(settings)
-    _serve(w)
-    if w.device_failed:
+        served = GenerationWorker(settings)
+    else:
+        served = Worker(settings)
+    _serve(served)
+    if served.device_failed:
         # For the supervisor: restart me. Not sys.exit: a lane thread stuck in the device
         # would keep the interpreter from exiting (NOTE [ Device watchdog ]).
         exit_now(DEVICE_EXIT_CODE)
@@ -216,6 +214,9 @@ def worker(**options: Any) -> None:
 
 class _Served(Protocol):
     """What ``_serve`` runs: a Worker or a GenerationWorker."""
+
+    @property
+    def device_failed(self) -> bool: ...
 
     def run(self) -> None: ...
     def stop(self) -> None: ...
