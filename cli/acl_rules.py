@@ -13,8 +13,10 @@ NOTE [ ACL roles ]
   producer: call the protocol's functions (FCALL, FCALL_RO: no EVAL, no SCRIPT, no
     FUNCTION, so no Lua of its own; NOTE [ Functions, not scripts ] in
     common/protocol/functions.py). Redis checks a function's commands against the caller's
-    rules, so it also holds what they run: admission (HGET of the limits hash, XLEN, GET/SET
-    of the id's owner key, XADD to the lane stream and XDEL of a duplicate's entry), status
+    rules, so it also holds what they run: admission (HMGET of the limits hash, XLEN, GET/SET
+    of the id's owner key, XADD to the lane stream and XDEL of a duplicate's entry; for a
+    token bound HVALS, HGET, HGETALL, HSET and HDEL of the lane's charges, and TIME, XINFO
+    GROUPS and XPENDING of its stream to recount them), status
     (GET of its result and owner, LINDEX of its done list, XINFO GROUPS and XPENDING of the
     lanes) and cancel (XADD of a cancel entry, XDEL of the job, SET of its owner). Besides:
     read a lane's backlog and bound (XLEN, HGET) and whether a worker serves it (XINFO
@@ -35,7 +37,8 @@ NOTE [ ACL roles ]
     it checks first), the owner keys, dead letters (XADD), the fleet status keys
     (SET, ZADD, ZREM, ZREMRANGEBYSCORE, LPUSH, LPUSHX, LTRIM, DEL) and TIME; a generation
     worker's token streams (XADD of each chunk, PEXPIRE of its TTL, XRANGE of what a job
-    taken over streamed already) and its running jobs' stop keys, read only (MGET). It may
+    taken over streamed already), its running jobs' stop keys, read only (MGET), and
+    the charges of the entries it answers (HDEL). It may
     not set a stop key, change a bound, touch another model, or run any admin command.
   Both: what redis-py sends on connecting (HELLO, CLIENT SETINFO, SELECT for a
   database other than 0) and PING, no Pub/Sub channels. The worker also loads the
@@ -159,6 +162,7 @@ def producer_rules(models: Sequence[Keys], version: tuple[int, int],
     parts = _partitions(models)
     streams = [k.stream(lane) for k in parts for lane in Lane]
     limits = [k.limits() for k in parts]
+    charges = [k.charges(lane) for k in parts for lane in Lane]
     owners = [k.owner(ids + _ANY) for k in parts]
     results = [k.result(ids + _ANY) for k in parts]
     dones = [k.done(ids + _ANY) for k in parts]
@@ -169,11 +173,14 @@ def producer_rules(models: Sequence[Keys], version: tuple[int, int],
     records = [k.worker(_ANY) for k in models]
     return (
         "-@all", *_connection(version), "+fcall", "+fcall_ro",
+        "+time",  # the admission function's clock (a token bound's recount)
         # FCALL declares its keys read-write, so the functions' keys are the root's; what
         # a function may do with them is decided command by command by the selectors.
-        *_keys(*streams, *limits, *owners, *results, *dones),
+        *_keys(*streams, *limits, *charges, *owners, *results, *dones),
         _selector(("xadd", "xdel", "xlen", "xinfo|groups", "xpending"), _keys(*streams)),
-        _selector(("hget",), _keys(*limits, mode="%R~")),
+        _selector(("hget", "hmget"), _keys(*limits, mode="%R~")),
+        # Token bounds: admission sums, records and recounts the lanes' charges.
+        _selector(("hvals", "hget", "hgetall", "hset", "hdel"), _keys(*charges)),
         _selector(("exists", "get", "set"), _keys(*owners)),
         # Read and delete what was read: one DEL frees an id's result, done list and owner.
         _selector(("get", "mget", "exists", "del"), _keys(*results, *dones, *owners, *replies)),
@@ -194,10 +201,11 @@ def tenant_rules(models: Sequence[Keys], version: tuple[int, int],
                  tenant: str) -> tuple[str, ...]:
     """Rules of the gateway's producer for ``tenant`` (Role.TENANT): a producer of request
     ids ``<tenant>:...`` only, which also calls the holds function on its own holds set
-    (NOTE [ Tenant holds ] in common/protocol/tenants.py; TIME: the function's clock)."""
+    (NOTE [ Tenant holds ] in common/protocol/tenants.py; its clock is TIME, which every
+    producer holds)."""
     holds = [k.tenant(tenant_name(tenant)) for k in models]
     return (
-        *producer_rules(models, version, tenant_request_id(tenant, "")), "+time",
+        *producer_rules(models, version, tenant_request_id(tenant, "")),
         *_keys(*holds),
         _selector(("zadd", "zrem", "zremrangebyscore", "zcard", "pttl", "pexpire"),
                   _keys(*holds)),
@@ -230,6 +238,7 @@ def worker_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[str,
                for key in (k.result(_ANY), k.done(_ANY), k.owner(_ANY), k.reply(_ANY))]
     tokens = [k.tokens(_ANY) for k in parts]
     stops = [k.stop(_ANY) for k in parts]
+    charges = [k.charges(lane) for k in parts for lane in Lane]
     fleet = [*(key for k in models for key in (k.workers(), k.worker(_ANY))),
              *(k.recent() for k in parts)]
     return (
@@ -241,6 +250,8 @@ def worker_rules(models: Sequence[Keys], version: tuple[int, int]) -> tuple[str,
         _selector((*_FLEET_COMMANDS, *_CHECKS), _keys(*fleet)),
         _selector(_TOKEN_COMMANDS, _keys(*tokens)),
         _selector(("mget",), _keys(*stops, mode="%R~")),
+        # A generation worker deletes each answered entry's charge (token bounds).
+        _selector(("hdel",), _keys(*charges)),
         _partitions_read(models),
     )
 

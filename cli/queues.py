@@ -37,32 +37,40 @@ T = TypeVar("T")
 @click.command()
 @o.common_options
 @o.LANE(envvar=None, default=None,
-        help="The lane to bound or clear (required with --max-jobs or --clear).")
+        help="The lane to bound or clear (required with --max-jobs, --max-tokens or --clear).")
 @click.option("--max-jobs", type=click.IntRange(min=0), default=None,
               help="Most jobs the lane's queue may hold (queued or in progress); a submit "
                    "past it fails with queue_full. 0 refuses every job.")
-@click.option("--clear", is_flag=True, default=False, help="Remove the lane's bound.")
-def limit(lane: str | None, max_jobs: int | None, clear: bool, **options: Any) -> None:
-    """Bound a lane's queue (admission control), clear the bound, or show both lanes.
+@click.option("--max-tokens", type=click.IntRange(min=0), default=None,
+              help="Most tokens the lane's queued generation jobs may be charged (each: "
+                   "its payload's bytes plus its max_new_tokens); a generation job past "
+                   "it fails with queue_full at once. 0 refuses every generation job.")
+@click.option("--clear", is_flag=True, default=False, help="Remove the lane's bounds.")
+def limit(lane: str | None, max_jobs: int | None, max_tokens: int | None, clear: bool,
+          **options: Any) -> None:
+    """Bound a lane's queue (admission control), clear the bounds, or show both lanes.
 
-    Prints one JSON line per lane: its bound (null: unbounded) and the jobs its queue holds.
-    A model of several partitions has the bound in each (set in all of them here): the line
-    then says how many, with the jobs summed and each partition's own figures. Without
-    --redis, the worker's default Redis URL is used.
+    Prints one JSON line per lane: its bounds (null: unbounded), the jobs its queue holds
+    and the tokens they are charged. A model of several partitions has the bounds in each
+    (set in all of them here): the line then says how many, with the jobs summed and each
+    partition's own figures. Without --redis, the worker's default Redis URL is used.
     """
     setup_logging(options["log_level"])
-    if max_jobs is not None and clear:
-        raise click.UsageError("give either --max-jobs or --clear, not both")
-    if (max_jobs is not None or clear) and lane is None:
-        raise click.UsageError("--max-jobs and --clear need --lane")
+    if (max_jobs is not None or max_tokens is not None) and clear:
+        raise click.UsageError("give either --max-jobs/--max-tokens or --clear, not both")
+    if (max_jobs is not None or max_tokens is not None or clear) and lane is None:
+        raise click.UsageError("--max-jobs, --max-tokens and --clear need --lane")
     name = o.served_name(options)
     # An unreachable Redis is one line: the group's handler (cli/errors.py) says it.
     with Client(o.url_or_default(options), model=name, prefix=options["prefix"]) as client:
         if lane is not None and (max_jobs is not None or clear):
             client.set_queue_limit(lane, max_jobs)
+        if lane is not None and (max_tokens is not None or clear):
+            client.set_token_limit(lane, max_tokens)
         for state in (client.queue_state(each) for each in Lane):
             shown: dict[str, Any] = {"model": name, "lane": state.lane.value,
-                                     "max_jobs": state.bound, "queued": state.queued}
+                                     "max_jobs": state.bound, "queued": state.queued,
+                                     "max_tokens": state.token_bound, "tokens": state.tokens}
             if state.partitions:
                 shown["partitions"] = len(state.partitions)
                 shown["by_partition"] = [{"max_jobs": bound, "queued": queued}

@@ -103,7 +103,7 @@ def _settle(done: asyncio.Future[None], ids: list[str], refused: set[str],
     accepted = [i for i in ids if i not in refused and i not in duplicates]
     if mine_refused and first is not None:
         done.set_exception(QueueFull(first.model, first.lane, first.bound, mine_refused,
-                                     accepted))
+                                     accepted, tokens=first.tokens))
     elif mine_duplicates:
         done.set_exception(DuplicateRequestId(mine_duplicates, accepted))
     else:

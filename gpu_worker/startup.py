@@ -211,8 +211,9 @@ def _metrics(first: WorkerMetrics, settings: list[Settings]) -> list[WorkerMetri
 
 
 def connect_model(s: Settings, metrics: WorkerMetrics, health: Health,
-             stop: threading.Event) -> tuple[Intake, ResultWriter]:
-    """A model's intake, once its consumer groups exist, and its result writer."""
+                  stop: threading.Event, charges: bool = False) -> tuple[Intake, ResultWriter]:
+    """A model's intake, once its consumer groups exist, and its result writer (which
+    deletes each answered entry's charge when ``charges``: a generation model)."""
     r = connect_waiting(s.redis, stop)
     intake = Intake(r, Keys(s.model.served_name, s.redis.prefix), s.consumer,
                     s.limits.max_payload_bytes, s.reclaim_idle_ms, s.max_deliveries)
@@ -220,7 +221,7 @@ def connect_model(s: Settings, metrics: WorkerMetrics, health: Health,
     load_functions(r)
     wait = ReplicaWait(s.result_replicas, s.result_wait_ms) if s.result_replicas else None
     writer = ResultWriter(connect(s.redis), intake.keys, s.consumer, s.result_ttl_s, wait,
-                          metrics.result_waited)
+                          metrics.result_waited, charges)
     return intake, writer
 
 

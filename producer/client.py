@@ -186,8 +186,15 @@ class Client(ClientCore):
         client that submits through the admission script; None removes the bound."""
         self._run(self._set_queue_limit(lane, max_jobs, model))
 
+    def set_token_limit(self, lane: Lane | str, max_tokens: int | None, *,
+                        model: str | None = None) -> None:
+        """Bound what the lane's queued generation jobs may be charged, in tokens (each
+        job: its payload's bytes plus its max_new_tokens; PROTOCOL.md "Admission control")
+        for every client that submits through the admission function; None removes it."""
+        self._run(self._set_queue_limit(lane, max_tokens, model, tokens=True))
+
     def queue_state(self, lane: Lane | str, *, model: str | None = None) -> QueueState:
-        """The lane's current backlog and bound."""
+        """The lane's current backlog and bounds."""
         return self._run(self._queue_state(lane, model))
 
     def workers(self, *, model: str | None = None) -> list[WorkerRecord]:
@@ -379,6 +386,11 @@ class AsyncClient(ClientCore):
                               model: str | None = None) -> None:
         """As :meth:`Client.set_queue_limit`."""
         await self._run(self._set_queue_limit(lane, max_jobs, model))
+
+    async def set_token_limit(self, lane: Lane | str, max_tokens: int | None, *,
+                              model: str | None = None) -> None:
+        """As :meth:`Client.set_token_limit`."""
+        await self._run(self._set_queue_limit(lane, max_tokens, model, tokens=True))
 
     async def queue_state(self, lane: Lane | str, *, model: str | None = None) -> QueueState:
         """As :meth:`Client.queue_state`."""

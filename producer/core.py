@@ -4,10 +4,8 @@
 generator of steps (see ``calls.py``): the face sends the calls and hands back their
 replies, the core turns them into request ids, a :class:`QueueState`, a result, or the
 errors of ``errors.py``. Jobs sent by ``submit`` and ``submit_many`` name the client's
-reply list of their model, on which all their waits are served together (``replies.py``).
-The module runs past 400 lines because every operation of both faces lives here, each
-also partition-aware (PROTOCOL.md "Partitions": which partition a job goes to, and where
-an id is looked for); splitting them would split what the faces share.
+reply list of their model, on which all their waits are served together (``replies.py``);
+the admission calls themselves, and what their replies mean, are ``admission.py``'s.
 """
 
 from __future__ import annotations
@@ -25,9 +23,7 @@ from redbatch.common.protocol import (
     DUPLICATE_REPLY,
     FIELD_JOB,
     IDEMPOTENCY_WINDOW_MS,
-    MAX_ADMIT_JOBS,
     MAX_CONTENT_TYPE_BYTES,
-    QUEUE_FULL_REPLY,
     UNKNOWN_REPLY,
     JobEnvelope,
     JobState,
@@ -37,21 +33,26 @@ from redbatch.common.protocol import (
     ProtocolError,
     WorkerRecord,
     candidate_partitions,
-    error_reply_code,
     idempotency_window_ms,
     job_status,
     new_request_id,
-    owner_ttl_ms,
     parse_partition_history,
     parse_queue_bound,
+    token_bound_field,
     valid_request_id,
 )
 from redbatch.common.protocol.functions import CANCEL_FUNCTION, STATUS_FUNCTION
 from redbatch.common.protocol.generation import STOP_TTL_MS, STOP_VALUE
 from redbatch.common.protocol.payloads import encode_payload
 from redbatch.common.redis_io import error_code
-from redbatch.producer.calls import Arg, Command, Inbox, Pause, Pipelined, Script, Steps
-from redbatch.producer.errors import DuplicateRequestId, QueueFull, ResultTimeout, ResultUnreadable
+from redbatch.producer.admission import (
+    admission_call,
+    admission_groups,
+    admitted_ids,
+    replies_per_job,
+)
+from redbatch.producer.calls import Command, Inbox, Pause, Pipelined, Script, Steps
+from redbatch.producer.errors import ResultTimeout, ResultUnreadable
 from redbatch.producer.replies import Gathering, ReplyWaits
 from redbatch.producer.wait import RECONNECT_PAUSE_S, DoneMoves, reply_by
 
@@ -74,6 +75,11 @@ class QueueState:
     bound: int | None
     #: Each partition's ``(queued, bound)``, partition p at index p; empty: one partition.
     partitions: tuple[tuple[int, int | None], ...] = ()
+    #: Most tokens the queued generation jobs may be charged (per partition); None: none.
+    token_bound: int | None = None
+    #: The charges the lane's jobs hold against the token bound, summed over partitions
+    #: (recorded only while a token bound is set; may count a job just answered).
+    tokens: int = 0
 
     @property
     def room(self) -> int | None:
@@ -286,11 +292,11 @@ class ClientCore:
         self._record(jobs)
         keys = [self._job_keys(job.model, job.request_id) for job in jobs]
         taken = yield from self._taken_elsewhere(jobs, keys)
-        groups = [kept for group in _admission_groups(jobs, [k.partition for k in keys])
+        groups = [kept for group in admission_groups(jobs, [k.partition for k in keys])
                   if (kept := [i for i in group if i not in taken])]
-        calls = tuple(_admit(keys[group[0]], [jobs[i] for i in group],
-                             self.idempotency_window_ms, self._earlier_owners(
-                                 keys[group[0]], [jobs[i] for i in group]))
+        calls = tuple(admission_call(keys[group[0]], [jobs[i] for i in group],
+                                     self.idempotency_window_ms, self._earlier_owners(
+                                         keys[group[0]], [jobs[i] for i in group]))
                       for group in groups)
         replies: list[object] = []
         if len(calls) > 1:
@@ -300,11 +306,11 @@ class ClientCore:
                 replies = [(yield calls[0])]
             except redis.ResponseError as e:
                 replies = [e]
-        per_job = _per_job(groups, replies, len(jobs))
+        per_job = replies_per_job(groups, replies, len(jobs))
         for i in taken:
             per_job[i] = redis.ResponseError(f"{DUPLICATE_REPLY} ?")
         self._refused(jobs, per_job)
-        return _admitted(jobs, per_job)
+        return admitted_ids(jobs, per_job)
 
     def _elsewhere(self, keys: Keys, request_id: str) -> list[Keys]:
         """The keys of the partitions other than ``keys``' that ``request_id`` may have
@@ -342,16 +348,19 @@ class ClientCore:
                 if isinstance(values, list)
                 for i, value in zip(indexes, values, strict=True) if value is not None}
 
-    def _set_queue_limit(self, lane: Lane | str, max_jobs: int | None,
-                         model: str | None) -> Steps[None]:
-        """Set (or, for None, remove) the lane's bound in the limits hash of every partition
-        of the model (a bound holds per partition: PROTOCOL.md "Partitions")."""
-        if max_jobs is not None and (isinstance(max_jobs, bool) or max_jobs < 0):
-            raise ValueError(f"max_jobs must be a non-negative int or None, not {max_jobs!r}")
+    def _set_queue_limit(self, lane: Lane | str, bound: int | None, model: str | None,
+                         tokens: bool = False) -> Steps[None]:
+        """Set (or, for None, remove) the lane's bound, in jobs or (``tokens``) in tokens,
+        in the limits hash of every partition of the model (a bound holds per partition:
+        PROTOCOL.md "Partitions")."""
+        what = "max_tokens" if tokens else "max_jobs"
+        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int)
+                                  or bound < 0):
+            raise ValueError(f"{what} must be a non-negative int or None, not {bound!r}")
         count = (yield from self._history(model))[-1]
-        field = Lane(lane).value
-        calls = tuple(Command(("HDEL", key, field) if max_jobs is None
-                              else ("HSET", key, field, max_jobs))
+        field = token_bound_field(Lane(lane)) if tokens else Lane(lane).value
+        calls = tuple(Command(("HDEL", key, field) if bound is None
+                              else ("HSET", key, field, bound))
                       for key in (self.keys(model).part(p).limits() for p in range(count)))
         if len(calls) == 1:
             yield calls[0]
@@ -359,16 +368,22 @@ class ClientCore:
             yield Pipelined(calls)
 
     def _queue_state(self, lane: Lane | str, model: str | None) -> Steps[QueueState]:
-        """The lane's backlog (XLEN of its stream) and bound in every partition, in one
-        round trip (and one for the partition count, when due)."""
+        """The lane's backlog (XLEN of its stream), bound, token bound and the charges its
+        jobs hold, in every partition, in one round trip (and one for the partition count,
+        when due)."""
         count = (yield from self._history(model))[-1]
         parts, lane = self.keys(model).parts(count), Lane(lane)
         replies = yield Pipelined(tuple(call for keys in parts for call in (
-            Command(("XLEN", keys.stream(lane))), Command(("HGET", keys.limits(), lane.value)))))
-        each = [(int(replies[2 * p]), parse_queue_bound(replies[2 * p + 1]))
+            Command(("XLEN", keys.stream(lane))), Command(("HGET", keys.limits(), lane.value)),
+            Command(("HGET", keys.limits(), token_bound_field(lane))),
+            Command(("HVALS", keys.charges(lane))))))
+        each = [(int(replies[4 * p]), parse_queue_bound(replies[4 * p + 1]))
                 for p in range(count)]
+        held = sum(int(v) for p in range(count) for v in replies[4 * p + 3]
+                   if v.isdigit())
         return QueueState(lane, sum(queued for queued, _ in each), each[0][1],
-                          tuple(each) if count > 1 else ())
+                          tuple(each) if count > 1 else (),
+                          parse_queue_bound(replies[2]), held)
 
     def _workers(self, model: str | None) -> Steps[list[WorkerRecord]]:
         """The live workers of the model: the members of its workers set whose heartbeat
@@ -489,87 +504,3 @@ def _checked(keys: Keys, request_id: str) -> Keys:
     """``keys``, once ``request_id`` is one (ValueError otherwise)."""
     _check_request_id(request_id)
     return keys
-
-
-def _admission_groups(jobs: Sequence[JobEnvelope], parts: Sequence[int]) -> list[list[int]]:
-    """Indexes of ``jobs`` by admission call: one per model, partition (``parts``, by
-    job) and lane, in order, with MAX_ADMIT_JOBS jobs at most."""
-    by_lane: dict[tuple[str, int, Lane], list[int]] = {}
-    for i, (job, part) in enumerate(zip(jobs, parts, strict=True)):
-        by_lane.setdefault((job.model, part, Lane(job.lane)), []).append(i)
-    return [group[start:start + MAX_ADMIT_JOBS] for group in by_lane.values()
-            for start in range(0, len(group), MAX_ADMIT_JOBS)]
-
-
-def _admit(keys: Keys, jobs: Sequence[JobEnvelope], window_ms: int = IDEMPOTENCY_WINDOW_MS,
-           earlier: Sequence[str] = ()) -> Script:
-    """The admission function's call for jobs of one lane: its stream, the limits hash,
-    each id's owner key and the ``earlier`` owner keys of the ids in other partitions; the
-    lane, then each job's owner TTL (the idempotency window ``window_ms`` for a job without
-    a deadline), request id and envelope."""
-    lane = Lane(jobs[0].lane)
-    args: list[Arg] = [lane.value]
-    for job in jobs:
-        args += [owner_ttl_ms(job.budget_ms, window_ms), job.request_id,
-                 job.encode()[FIELD_JOB]]
-    return Script([keys.stream(lane), keys.limits(), *(keys.owner(j.request_id) for j in jobs),
-                   *earlier], args)
-
-
-def _per_job(groups: Sequence[Sequence[int]], replies: Sequence[object],
-             count: int) -> list[object]:
-    """Each job's reply, in the jobs' order, from the admission calls' replies: an entry
-    id or an error element, or the call's own error reply for every job of the call."""
-    out: list[object] = [None] * count
-    for group, reply in zip(groups, replies, strict=True):
-        each = [reply] * len(group) if isinstance(reply, Exception) else _items(reply)
-        for i, job_reply in zip(group, each, strict=True):
-            out[i] = job_reply
-    return out
-
-
-def _items(reply: object) -> list[object]:
-    """The elements of an admission call's array reply; TypeError for any other reply."""
-    if not isinstance(reply, list):
-        raise TypeError(f"the admission script replied {reply!r:.100}, not an array")
-    return reply
-
-
-def _reply_code(reply: object) -> str | None:
-    """The code (first word) of an admission error reply, None for any other reply."""
-    return error_reply_code(str(reply)) if isinstance(reply, redis.ResponseError) else None
-
-
-def _refused_bound(reply: object) -> int | None:
-    """The bound named by the admission script's ``QUEUE_FULL <bound>`` reply, else None."""
-    if _reply_code(reply) != QUEUE_FULL_REPLY:
-        return None
-    words = str(reply).split()
-    return (parse_queue_bound(words[1]) if len(words) > 1 else None) or 0
-
-
-def _admitted(jobs: Sequence[JobEnvelope], replies: Sequence[object]) -> list[str]:
-    """Request ids of the admitted jobs; raises QueueFull naming the refused ones (its
-    ``duplicates`` lists ids refused as in use), DuplicateRequestId when only ids in
-    use were refused, or the first other error a reply holds."""
-    accepted, refused, duplicates = [], [], []
-    first: tuple[JobEnvelope, int] | None = None
-    for job, reply in zip(jobs, replies, strict=True):
-        bound = _refused_bound(reply)
-        if bound is not None:
-            refused.append(job.request_id)
-            first = first or (job, bound)
-        elif _reply_code(reply) == DUPLICATE_REPLY:
-            duplicates.append(job.request_id)
-        elif isinstance(reply, BaseException):
-            raise reply
-        else:
-            accepted.append(job.request_id)
-    if first is not None:
-        job, bound = first
-        full = QueueFull(job.model, Lane(job.lane), bound, refused, accepted)
-        full.duplicates = duplicates
-        raise full
-    if duplicates:
-        raise DuplicateRequestId(duplicates, accepted)
-    return accepted

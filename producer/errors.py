@@ -86,27 +86,30 @@ class ResultUnreadable(ProtocolError):
 
 
 class QueueFull(RedbatchError):
-    """Admission control refused jobs: their lane's queue is at its bound.
+    """Admission control refused jobs: their lane's queue is at its bound, in jobs, or
+    (``tokens`` true) a generation job's charge does not fit under its token bound.
 
     Refused jobs were not queued (nothing was dropped silently); submit them again
     later. ``refused`` holds their request ids in submission order; ``accepted``
     the ids of the jobs of the same call that were queued (always empty for
-    ``submit``). ``lane``, ``model`` and ``bound`` describe the first refusal.
+    ``submit``). ``lane``, ``model``, ``bound`` and ``tokens`` describe the first
+    refusal.
     """
 
     code = ErrorCode.QUEUE_FULL
 
     def __init__(self, model: str, lane: Lane, bound: int, refused: list[str],
-                 accepted: list[str] | None = None) -> None:
+                 accepted: list[str] | None = None, *, tokens: bool = False) -> None:
         self.model = model
         self.lane = lane
         self.bound = bound
+        self.tokens = tokens
         self.refused = refused
         self.accepted = accepted or []
         #: Ids of the same call refused because they were in use (see DuplicateRequestId).
         self.duplicates: list[str] = []
         self.message = (f"the {lane.value} queue of model {model!r} is at its bound of "
-                        f"{bound} jobs; submit again later")
+                        f"{bound} {'tokens' if tokens else 'jobs'}; submit again later")
         if self.accepted:
             self.message += (f" ({len(refused)} of {len(refused) + len(self.accepted)} jobs "
                              f"refused, {len(self.accepted)} queued)")

@@ -34,6 +34,7 @@ from redbatch.common.protocol import (
     Keys,
     Lane,
     RedbatchError,
+    token_bound_field,
 )
 from redbatch.common.protocol.functions import (
     ADMIT_FUNCTION,
@@ -42,7 +43,7 @@ from redbatch.common.protocol.functions import (
     load_library,
 )
 from redbatch.common.protocol.generation import STOP_TTL_MS, STOP_VALUE
-from redbatch.producer.client import Client
+from redbatch.producer.client import Client, QueueFull
 from redbatch.producer.errors import FunctionsMissing
 from spawned_workers import spawned_workers
 
@@ -216,8 +217,9 @@ def test_a_producer_may_not_answer_take_over_or_administer(
             ADMIT_SCRIPT, 3, THEIRS.stream(Lane.BULK), THEIRS.limits(), THEIRS.owner("x"),
             "bulk", 1000, "rid", "x", "job", b"x"),
         "the admission function on another model": lambda: p.fcall(
-            ADMIT_FUNCTION, 3, THEIRS.stream(Lane.BULK), THEIRS.limits(), THEIRS.owner("x"),
-            "bulk", 1000, "x", b"x"),
+            ADMIT_FUNCTION, 4, THEIRS.stream(Lane.BULK), THEIRS.limits(),
+            THEIRS.charges(Lane.BULK), THEIRS.owner("x"), "bulk", 1000, "x", 0, b"x"),
+        "charge another model's lane": lambda: p.hset(THEIRS.charges(Lane.BULK), "1-1", 5),
         # Issue 28, item 3: a done list moved onto another id's done list or result key
         # would plant an answer there (the victim pops another job's envelope, or its
         # answer is dead-lettered undeliverable).
@@ -407,6 +409,8 @@ def test_generation_streams_and_cancels_under_the_users(server: RedisServer,
     acme = redis.Redis.from_url(user_url(server.url, CHAT_USERS[2], "pw"))
     admin.acl_log_reset()
     long_story = b'{"prompt": "Tell me a long story:", "max_new_tokens": 400}'
+    # A token bound: the producer's admissions charge the lane, the worker frees each.
+    admin.hset(CHAT_KEYS.limits(), token_bound_field(Lane.INTERACTIVE), 100_000)
     with spawned_workers(tmp_path) as start:
         start(worker_url, model=CHAT, ready_url=server.url)
         with Client(producer, model=CHAT) as client:
@@ -429,6 +433,14 @@ def test_generation_streams_and_cancels_under_the_users(server: RedisServer,
             assert acme.xrange(CHAT_KEYS.tokens("acme:own"))
             assert acme.xread({CHAT_KEYS.tokens("acme:own"): "0-0"}, block=10)
             assert acme.set(CHAT_KEYS.stop("acme:own"), STOP_VALUE, px=STOP_TTL_MS)
+            assert not admin.exists(CHAT_KEYS.charges(Lane.INTERACTIVE))  # all answered
+            # A refusal past the token bound recounts the charges under the producer's rules.
+            admin.hset(CHAT_KEYS.limits(), token_bound_field(Lane.INTERACTIVE), 10)
+            with pytest.raises(QueueFull):
+                client.submit(long_story, content_type="application/json")
+            assert admin.hexists(CHAT_KEYS.charges(Lane.INTERACTIVE), "recounted")
+            admin.hdel(CHAT_KEYS.limits(), token_bound_field(Lane.INTERACTIVE))
+            admin.delete(CHAT_KEYS.charges(Lane.INTERACTIVE))
             refused = [(e["username"], e["object"]) for e in admin.acl_log()
                        if e["username"] in CHAT_USERS]
             assert refused == [], f"a command generation sends is missing: {refused}"

@@ -194,11 +194,17 @@ def test_limit_command_sets_shows_and_clears(redis_url: str, client: Client) -> 
     assert client.queue_state(Lane.BULK).bound == 1000
     client.submit(b"x", lane=Lane.BULK)
     assert run()["bulk"] == {"model": TEST_MODEL, "lane": "bulk", "max_jobs": 1000,
-                             "queued": 1}
-    assert run("--lane", "bulk", "--clear")["bulk"]["max_jobs"] is None
+                             "queued": 1, "max_tokens": None, "tokens": 0}
+    tokens = run("--lane", "bulk", "--max-tokens", "5000")["bulk"]
+    assert (tokens["max_jobs"], tokens["max_tokens"]) == (1000, 5000)
+    assert client.queue_state(Lane.BULK).token_bound == 5000
+    cleared = run("--lane", "bulk", "--clear")["bulk"]
+    assert cleared["max_jobs"] is None and cleared["max_tokens"] is None
     assert client.queue_state(Lane.BULK).bound is None
     for bad in (["--max-jobs", "3"], ["--lane", "bulk", "--max-jobs", "3", "--clear"],
-                ["--lane", "bulk", "--max-jobs", "-1"]):
+                ["--lane", "bulk", "--max-jobs", "-1"], ["--max-tokens", "3"],
+                ["--lane", "bulk", "--max-tokens", "-1"],
+                ["--lane", "bulk", "--max-tokens", "3", "--clear"]):
         result = CliRunner().invoke(main, ["limit", "--redis", redis_url, *bad])
         assert result.exit_code == 2, (bad, result.output)
 
@@ -293,20 +299,21 @@ def test_bulk_scorer_without_room_writes_timeouts_and_finishes(
 
 
 def _call(r: redis.Redis, keys: list[str], args: list[str | bytes]) -> list[object]:
-    """One call of the script (revision 3); its reply, an array with one element per job
+    """One call of the script (revision 7); its reply, an array with one element per job
     (an entry id, or a ResponseError instance for an error element). An error reply to
     the whole call is raised."""
     return r.eval(ADMIT_SCRIPT, len(keys), *keys, *args)  # type: ignore[no-any-return]
 
 
-def _good(keys: Keys, *request_ids: str, lane: Lane = Lane.BULK,
-          ttl: str = "60000") -> tuple[list[str], list[str | bytes]]:
+def _good(keys: Keys, *request_ids: str, lane: Lane = Lane.BULK, ttl: str = "60000",
+          charge: str = "0") -> tuple[list[str], list[str | bytes]]:
     """A well-formed call for jobs of these request ids (``a1`` if none; each envelope
-    b"\x80"): the stream, the limits hash, each owner key; the lane, then each job's TTL,
-    request id and envelope."""
+    b"\x80"): the stream, the limits hash, the lane's charges hash, each owner key; the
+    lane, then each job's TTL, request id, charge and envelope."""
     rids = request_ids or ("a1",)
-    return ([keys.stream(lane), keys.limits(), *(keys.owner(i) for i in rids)],
-            [lane.value, *(arg for i in rids for arg in (ttl, i, b"\x80"))])
+    return ([keys.stream(lane), keys.limits(), keys.charges(lane),
+             *(keys.owner(i) for i in rids)],
+            [lane.value, *(arg for i in rids for arg in (ttl, i, charge, b"\x80"))])
 
 
 def _bad_calls(keys: Keys) -> dict[str, tuple[list[str], list[str | bytes]]]:
@@ -319,28 +326,38 @@ def _bad_calls(keys: Keys) -> dict[str, tuple[list[str], list[str | bytes]]]:
         "fractional ttl": (k, [*a[:1], "1.5", *a[2:]]),
         "16-digit ttl": (k, [*a[:1], "1" * 16, *a[2:]]),
         "no ttl": (k, [*a[:1], *a[2:]]),
+        "negative charge": (k, [*a[:3], "-1", a[4]]),
+        "fractional charge": (k, [*a[:3], "2.5", a[4]]),
+        "empty charge": (k, [*a[:3], "", a[4]]),
+        "16-digit charge": (k, [*a[:3], "9" * 16, a[4]]),
         # Revision 2 took the field names rid and job as arguments; its call of one job
-        # (6 arguments) is now malformed, and so is any count that is not 1 + 3N.
-        "revision-2 call": (k, [*a[:2], "rid", a[2], "job", a[3]]),
+        # (6 arguments) is now malformed, and so is any count that is not 1 + 4N.
+        "revision-2 call": (k, [*a[:2], "rid", a[2], "job", a[4]]),
+        # Revision 6 (library version 1) took no charges hash and no charge.
+        "revision-6 call": ([k[0], k[1], *k2[3:]], [a2[0], *a2[1:3], a2[4], *a2[5:7], a2[8]]),
         "no envelope": (k, a[:-1]),
         "extra argument": (k, [*a, "x"]),
-        "ttl and request id swapped": (k, [a[0], a[2], a[1], a[3]]),
+        "ttl and request id swapped": (k, [a[0], a[2], a[1], *a[3:]]),
         "unknown lane": (k, ["vip", *a[1:]]),
         "lane of another stream": (k, ["interactive", *a[1:]]),
-        "request id with a newline": ([*k[:2], keys.owner("a1\n")], [*a[:2], "a1\n", *a[3:]]),
-        "owner key of another id": ([*k[:2], keys.owner("a2")], a),
-        "limits of another model": ([k[0], other.limits(), k[2]], a),
-        "owner of another model": ([*k[:2], other.owner("a1")], a),
+        "request id with a newline": ([*k[:3], keys.owner("a1\n")], [*a[:2], "a1\n", *a[3:]]),
+        "owner key of another id": ([*k[:3], keys.owner("a2")], a),
+        "limits of another model": ([k[0], other.limits(), *k[2:]], a),
+        "charges of another model": ([*k[:2], other.charges(Lane.BULK), k[3]], a),
+        "charges of another lane": ([*k[:2], keys.charges(Lane.INTERACTIVE), k[3]], a),
+        "owner of another model": ([*k[:3], other.owner("a1")], a),
         "stream that is no lane stream": (["x:{m}:queue", *k[1:]], a),
         "two keys": (k[:2], a),
-        "no jobs": (k[:2], a[:1]),
+        "three keys": (k[:3], a),
+        "no jobs": (k[:3], a[:1]),
         f"{p.MAX_ADMIT_JOBS + 1} jobs": _good(keys, *(f"m{i}"
                                                      for i in range(p.MAX_ADMIT_JOBS + 1))),
         "a second job's arguments without its key": (k, a2),
         "a second key without its job's arguments": (k2, a),
-        "second job: bad ttl": (k2, [*a2[:4], "0", *a2[5:]]),
-        "second job: owner key of another id": ([*k2[:3], keys.owner("a3")], a2),
-        "owner keys in the other order": ([*k2[:2], k2[3], k2[2]], a2),
+        "second job: bad ttl": (k2, [*a2[:5], "0", *a2[6:]]),
+        "second job: bad charge": (k2, [*a2[:7], "x", a2[8]]),
+        "second job: owner key of another id": ([*k2[:4], keys.owner("a3")], a2),
+        "owner keys in the other order": ([*k2[:3], k2[4], k2[3]], a2),
     }
 
 

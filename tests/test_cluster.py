@@ -32,7 +32,7 @@ from redbatch.common.protocol import (
 from redbatch.common.protocol.functions import ADMIT_FUNCTION
 from redbatch.common.redis_io import connect, connect_async, is_cluster
 from redbatch.gpu_worker.streams.transaction import Commands
-from redbatch.producer.core import _admit
+from redbatch.producer.admission import admission_call
 from redis.crc import key_slot
 from spawned_workers import spawned_workers
 from test_result_wait import scraped_waits
@@ -138,7 +138,7 @@ def test_every_multi_key_call_stays_in_one_slot(rc: redis.Redis) -> None:
     DeadLetters(keys).add(commands, p.dead_letter({}, keys.stream(Lane.BULK), b"1-1",
                                                   p.ErrorCode.DEAD_LETTERED, "x", 1))
     jobs = [JobEnvelope(request_id=f"r{i}", model=keys.model, payload=b"x") for i in range(3)]
-    admit = _admit(keys, jobs)
+    admit = admission_call(keys, jobs)
     commands.execute_command("FCALL", ADMIT_FUNCTION, len(admit.keys), *admit.keys, *admit.args)
     slot = key_slot(keys.dlq().encode())
     assert {rc.determine_slot(*args) for args in commands.args} == {slot}  # type: ignore[attr-defined]

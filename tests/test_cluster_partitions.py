@@ -27,8 +27,8 @@ from redbatch.common.protocol.functions import ADMIT_FUNCTION, LIBRARY, load_lib
 from redbatch.common.redis_io import connect, refresh_slots
 from redbatch.gpu_worker.streams.transaction import Commands
 from redbatch.producer import core
+from redbatch.producer.admission import admission_call
 from redbatch.producer.client import Client, DuplicateRequestId, QueueFull
-from redbatch.producer.core import _admit
 from redis.crc import key_slot
 from spawned_workers import spawned_workers
 from test_partitions import (
@@ -59,7 +59,7 @@ def test_each_partitions_transactions_stay_in_its_slot(rc: redis.Redis) -> None:
                                                       p.ErrorCode.DEAD_LETTERED, "x", 1))
         commands.execute_command("LPUSH", keys.recent(), b"x")
         jobs = [JobEnvelope(request_id=f"r{i}", model=MODEL, payload=b"x") for i in range(3)]
-        admit = _admit(keys, jobs)
+        admit = admission_call(keys, jobs)
         commands.execute_command("FCALL", ADMIT_FUNCTION, len(admit.keys), *admit.keys,
                                  *admit.args)
         slot = key_slot(keys.stream(Lane.BULK).encode())
@@ -211,8 +211,8 @@ def test_a_cluster_job_costs_what_it_costs_on_one_redis_in_groups_per_partition(
           f"{sum(calls.values()) / n_jobs:.2f} in all: {calls}")
     assert calls.get("command|getkeys", 0) == 0, calls  # keys found by the client itself
     # One admission call per partition for the 600 jobs, all in one pipeline: each call
-    # reads its lane's bound once.
-    assert calls.get("hget", 0) == count, calls
+    # reads its lane's two bounds once (HMGET).
+    assert calls.get("hmget", 0) == count, calls
     assert calls.get("xadd", 0) == n_jobs, calls
     assert calls.get("set", 0) <= 2 * n_jobs + 20, calls  # owner claims, results, fleet
     # Reads, writes, announcements and pops: paid per group and partition, not per job

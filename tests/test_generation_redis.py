@@ -39,7 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
 from redbatch.common.protocol import GROUP, ErrorCode, JobEnvelope, Keys, Lane
 from redbatch.common.protocol.generation import Chunk
-from redbatch.producer.client import AsyncClient, Client, JobFailed, RedbatchError
+from redbatch.producer.client import AsyncClient, Client, JobFailed, QueueFull, RedbatchError
 from test_foreign_client import node_client, run_client  # noqa: F401
 
 MODEL = "smollm2_135m"
@@ -354,6 +354,60 @@ def test_a_node_client_written_from_the_page_streams_an_answer(
     assert (bad["status"], bad["error_code"], bad["finish_reason"]) == ("error", "bad_input",
                                                                        None), bad
     assert (bad["stream"]["entries"], bad["stream"]["finish"]) == ([], None), bad
+
+
+def test_a_token_bound_refuses_at_once_and_answered_jobs_free_their_charge(
+        gen: redis.Redis, redis_url: str, request: pytest.FixtureRequest) -> None:
+    """With a token bound on the lane, the charges of queued and running generations are
+    recorded by the admission function and deleted by the worker with each answer; a job
+    that does not fit is refused at once (queue_full), from Python and from the Node
+    client written from the page (TOKENS_FULL), and nothing of it is queued."""
+    script: Path = request.getfixturevalue("node_client")
+    charges = KEYS.charges(Lane.INTERACTIVE)
+    story = {"prompt": "Tell me a long story:", "max_new_tokens": 600}
+    story_charge = len(json.dumps(story, separators=(",", ":"))) + 600
+    with Client(redis_url, model=MODEL) as c:
+        c.set_token_limit(Lane.INTERACTIVE, 1_500)
+        try:
+            assert c.generate(messages=CHAT, max_new_tokens=8)
+            assert "".join(c.stream("Say hello.", max_new_tokens=4))
+            long = c.submit(story, timeout_s=120)
+            assert gen.xread({KEYS.tokens(long): "0-0"}, count=1, block=60_000)  # running
+            held = _until(lambda: [int(v) for v in gen.hvals(charges)
+                                   if v.isdigit()] == [story_charge])
+            assert held, gen.hgetall(charges)  # the answered two freed theirs
+            with pytest.raises(QueueFull) as full:  # about 1,100 do not fit in 1,500 - 655
+                c.generate("Hi", max_new_tokens=1_024)
+            assert full.value.tokens and full.value.bound == 1_500
+            refused = run_client(script, redis_url, "--stream", "x" * 1_000, MODEL,
+                                 "--max-new-tokens=1000", rc=3)
+            assert refused["admit_code"] == "TOKENS_FULL", refused
+            assert refused["admit_error"] == "TOKENS_FULL 1500"
+            gen.set(KEYS.stop(long), "1", px=60_000)
+            assert c.result(long, timeout_s=60).raise_for_error().output[
+                "finish_reason"] == "cancelled"
+            assert _until(lambda: set(gen.hkeys(charges)) <= {b"recounted"}), \
+                gen.hgetall(charges)  # every answer freed its own charge
+        finally:
+            c.set_token_limit(Lane.INTERACTIVE, None)
+        # A charges key planted with another type fails only the worker's HDEL: the answer
+        # is written all the same, and the worker serves on.
+        gen.delete(charges)
+        gen.set(charges, "planted")
+        try:
+            assert c.generate("Say hi.", max_new_tokens=3)
+            assert c.generate("Say bye.", max_new_tokens=3)
+        finally:
+            gen.delete(charges)
+
+
+def _until(check: Any, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _holder(r: redis.Redis, rid: str) -> str | None:

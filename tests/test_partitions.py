@@ -33,8 +33,8 @@ from redbatch.gpu_worker.streams.intake import Intake
 from redbatch.gpu_worker.streams.partitions import BULK_RECHECK_S, read_rounds
 from redbatch.gpu_worker.streams.sampler import Sampler
 from redbatch.producer import core
+from redbatch.producer.admission import admission_call
 from redbatch.producer.client import Client, QueueFull
-from redbatch.producer.core import _admit
 from redbatch.scoring.bulk import BulkScorer, ScoreSettings
 from redbatch.scoring.inputs import Item
 from redbatch.scoring.output import OutputWriter
@@ -101,7 +101,7 @@ def _job(rid: str) -> JobEnvelope:
 
 def test_admission_status_and_cancel_take_a_partitions_keys(r: redis.Redis) -> None:
     k3 = Keys("m", partition=3)
-    call = _admit(k3, [_job("j1")])
+    call = admission_call(k3, [_job("j1")])
     replies = r.eval(p.ADMIT_SCRIPT, len(call.keys), *call.keys, *call.args)
     assert isinstance(replies[0], bytes) and r.xlen(k3.stream(Lane.BULK)) == 1
     assert r.get(k3.owner("j1")).endswith(b" bulk")
@@ -109,7 +109,7 @@ def test_admission_status_and_cancel_take_a_partitions_keys(r: redis.Redis) -> N
                     k3.stream(Lane.INTERACTIVE), k3.stream(Lane.BULK))
     assert p.job_status("j1", status).state is p.JobState.QUEUED
     # Keys of two partitions (or an odd tag) do not belong together.
-    mixed = _admit(k3, [_job("j2")])
+    mixed = admission_call(k3, [_job("j2")])
     mixed_keys = [mixed.keys[0], Keys("m").limits(), *mixed.keys[2:]]
     with pytest.raises(redis.ResponseError, match="BAD_CALL"):
         r.eval(p.ADMIT_SCRIPT, len(mixed_keys), *mixed_keys, *mixed.args)
@@ -467,6 +467,7 @@ def test_limit_shows_every_partition_and_a_raise_copies_the_bound(
         client.submit_jobs([client.job(FOUR, lane=Lane.BULK, request_id=rid)
                             for q in range(3) for rid in _ids_in(q, 3, 2)])
         assert limit()["bulk"] == {"model": MODEL, "lane": "bulk", "max_jobs": 2, "queued": 6,
+                                   "max_tokens": None, "tokens": 0,
                                    "partitions": 3, "by_partition": [{"max_jobs": 2,
                                                                       "queued": 2}] * 3}
         assert client.queue_state(Lane.BULK).room == 0

@@ -191,8 +191,9 @@ def test_doc_names_keys_fields_and_group() -> None:
     assert (p.FIELD_REQUEST_ID, p.FIELD_JOB) == ("rid", "job")
     # Entries of the admission script carry a third field, adm (1), which the script sets.
     assert p.FIELD_ADMITTED == "adm" and "a third field, `adm` (`1`)" in " ".join(DOC.split())
-    assert "'rid', ARGV[3 * i], 'job', ARGV[3 * i + 1],\n" in p.ADMIT_SCRIPT
-    assert re.search(r"'job', ARGV\[3 \* i \+ 1\],\s+'adm', '1'\)", p.ADMIT_SCRIPT)
+    assert "'rid', rid, 'job', ARGV[4 * i + 1], 'adm', '1')\n" in p.ADMIT_SCRIPT
+    assert "local owner, rid, charge = KEYS[3 + i], ARGV[4 * i - 1], tonumber(ARGV[4 * i])" \
+        in p.ADMIT_SCRIPT
     assert f"| consumer group | `{p.GROUP}` |" in DOC
     for lane in Lane:
         assert f"`{lane.value}`" in DOC
@@ -211,13 +212,16 @@ def _tables_first_columns(heading: str) -> list[set[str]]:
 def test_doc_gives_the_admission_script_and_limits_key() -> None:
     assert f"```lua\n{p.ADMIT_SCRIPT}```" in DOC, "PROTOCOL.md holds the script verbatim"
     assert Keys("M", "P").limits() == "P:{M}:limits" and "`P:{M}:limits`" in DOC
+    assert Keys("M", "P").charges(Lane.BULK) == "P:{M}:charges:bulk"
+    assert "`P:{M}:charges:<lane>`" in DOC and "`<lane>:tokens`" in DOC
+    assert p.token_bound_field(Lane.BULK) == "bulk:tokens" and "`bulk:tokens`" in DOC
     # Revision 3 replies an array with an element per job (an entry id, or an error element
     # QUEUE_FULL / DUPLICATE_REQUEST_ID), or one error for the whole call (BAD_CALL,
     # NOPERM): the page's two tables, each code in the table of its kind of reply.
     elements, whole_call = _tables_first_columns("#### Replies, as they arrive")
     element_codes = {row[1:].split(" ")[0] for row in elements if row.startswith("-")}
     call_codes = {row[1:].split(" ")[0] for row in whole_call if row.startswith("-")}
-    assert element_codes == {p.QUEUE_FULL_REPLY, p.DUPLICATE_REPLY}
+    assert element_codes == {p.QUEUE_FULL_REPLY, p.TOKENS_FULL_REPLY, p.DUPLICATE_REPLY}
     assert call_codes == {p.BAD_CALL_REPLY, p.NOPERM_REPLY}
     for code in p.ADMIT_ERROR_CODES:
         assert any(row.startswith(f"-{code} <") for row in elements | whole_call), code
@@ -234,31 +238,33 @@ def test_doc_gives_the_admission_script_and_limits_key() -> None:
 
 
 def test_doc_gives_the_admission_call_line_of_the_code() -> None:
-    """The page's call line (2 + N keys, 1 + 3N arguments) is the one the client builds,
+    """The page's call line (3 + N keys, 1 + 4N arguments) is the one the client builds,
     for one job and for several, and the most jobs of a call is MAX_ADMIT_JOBS."""
-    from redbatch.producer.core import _admit
+    from redbatch.common.protocol.functions import ADMIT_FUNCTION
+    from redbatch.producer.admission import admission_call
 
-    line = re.search(r"^FCALL redbatch_v1_admit <2 \+ N> (.*)$", DOC, re.M)
+    line = re.search(rf"^FCALL {ADMIT_FUNCTION} <3 \+ N> (.*)$", DOC, re.M)
     assert line is not None, "the page's call line"
     assert line.group(1) == (
-        "P:{M}:jobs:<lane> P:{M}:limits P:{M}:owner:<request id 1> ... "
-        "P:{M}:owner:<request id N> <lane> <owner ttl ms 1> <request id 1> "
-        "<msgpack job envelope 1> ... <owner ttl ms N> <request id N> "
+        "P:{M}:jobs:<lane> P:{M}:limits P:{M}:charges:<lane> P:{M}:owner:<request id 1> ... "
+        "P:{M}:owner:<request id N> <lane> <owner ttl ms 1> <request id 1> <charge 1> "
+        "<msgpack job envelope 1> ... <owner ttl ms N> <request id N> <charge N> "
         "<msgpack job envelope N>")
     keys = Keys("m", "rb")
     for n in (1, 3):
         jobs = [job(request_id=f"r{i}", lane=Lane.INTERACTIVE, deadline_ms=None)
                 for i in range(n)]
-        call = _admit(keys, jobs)
+        call = admission_call(keys, jobs)
         assert call.keys == [keys.stream(Lane.INTERACTIVE), keys.limits(),
+                             keys.charges(Lane.INTERACTIVE),
                              *(keys.owner(f"r{i}") for i in range(n))]
         assert call.args == ["interactive", *(arg for j in jobs for arg in (
-            p.owner_ttl_ms(None), j.request_id, j.encode()[p.FIELD_JOB]))]
-        assert len(call.keys) == 2 + n and len(call.args) == 1 + 3 * n
+            p.owner_ttl_ms(None), j.request_id, 0, j.encode()[p.FIELD_JOB]))]
+        assert len(call.keys) == 3 + n and len(call.args) == 1 + 4 * n
     text = " ".join(DOC.split())
     assert f"admits one job or many (up to {p.MAX_ADMIT_JOBS:,})" in text
     assert f"N from 1 to {p.MAX_ADMIT_JOBS:,}" in text
-    assert f"if n < 1 or n > {p.MAX_ADMIT_JOBS} or n % 1 ~= 0 or #KEYS < 2 + n then" \
+    assert f"if n < 1 or n > {p.MAX_ADMIT_JOBS} or n % 1 ~= 0 or #KEYS < 3 + n then" \
         in p.ADMIT_SCRIPT
     # The revision the script names is the one the page describes as current.
     revision = re.search(r"\(revision (\d+):", p.ADMIT_SCRIPT.splitlines()[0])
@@ -464,9 +470,9 @@ def test_doc_gives_the_status_and_cancel_scripts_and_their_replies() -> None:
 
     for script in (p.STATUS_SCRIPT, p.CANCEL_SCRIPT):
         assert f"```lua\n{script}```" in DOC, script.splitlines()[0]
-    assert "FCALL_RO redbatch_v1_status 5 P:{M}:result:ID P:{M}:owner:ID " \
+    assert "FCALL_RO redbatch_v2_status 5 P:{M}:result:ID P:{M}:owner:ID " \
            "P:{M}:jobs:interactive P:{M}:jobs:bulk P:{M}:done:ID" in DOC
-    assert "FCALL redbatch_v1_cancel 3 P:{M}:jobs:interactive P:{M}:jobs:bulk " \
+    assert "FCALL redbatch_v2_cancel 3 P:{M}:jobs:interactive P:{M}:jobs:bulk " \
            "P:{M}:owner:ID ID <msgpack job envelope>" in DOC
     made = set(re.findall(r"return '([a-z]+)", p.CANCEL_SCRIPT))
     assert made == {p.CANCELLED_REPLY, p.TAKEN_REPLY, p.UNKNOWN_REPLY}

@@ -77,6 +77,7 @@ KEY_PATTERNS = [row[0] for row in _page_table("## Keys")]
 TTL_PAD_MS = int(_found(r"`max\(0, deadline_ms - submitted_ms\) \+ (\d+)`"))
 NO_DEADLINE_TTL_MS = int(_found(r"`(\d+)` for a job without one"))
 TTL_DIGITS = int(_found(r"positive integer of at most (\d+) digits, written in decimal"))
+CHARGE_DIGITS = int(_found(r"`<charge>` is .*?: a non-negative integer of at most (\d+) digits"))
 (RID_CHARS,) = (int(_found(r"^1–(\d+) characters", row[1]))
                 for row in _page_table("## Names") if row[0] == "request id")
 (NAME_CHARS,) = (int(_found(r"^1–(\d+) characters", row[1]))
@@ -134,14 +135,15 @@ class Job:
     rid: str
     body: bytes
     ttl: int | str
+    charge: int | str = 0
 
 
 def job(rid: str, lane: str = "bulk", payload: bytes = b"x", *, ttl: int | str | None = None,
-        **extra: Any) -> Job:
+        charge: int | str = 0, **extra: Any) -> Job:
     """A job with the page's envelope (``lane`` is the envelope's) and, unless ``ttl`` says
-    otherwise, the page's owner TTL."""
+    otherwise, the page's owner TTL; ``charge`` 0, the page's for any job but generation."""
     body, page_ttl = envelope(rid, payload, lane, **extra)
-    return Job(rid, body, page_ttl if ttl is None else ttl)
+    return Job(rid, body, page_ttl if ttl is None else ttl, charge)
 
 
 def owner(entry_id: bytes, lane: str = "bulk") -> bytes:
@@ -235,9 +237,10 @@ def call_line(jobs: Sequence[Job], lane: str) -> list[bytes]:
             return lane
         if count := re.fullmatch(r"(\d+) \+ N", name):
             return str(int(count.group(1)) + len(jobs))
-        if each := re.fullmatch(r"(request id|owner ttl ms) (\d+)", name):
+        if each := re.fullmatch(r"(request id|owner ttl ms|charge) (\d+)", name):
             one = jobs[int(each.group(2)) - 1]
-            return one.rid if each.group(1) == "request id" else str(one.ttl)
+            return {"request id": one.rid, "owner ttl ms": str(one.ttl),
+                    "charge": str(one.charge)}[each.group(1)]
         raise AssertionError(f"a placeholder this client does not know: {m.group(0)}")
 
     def word(w: str) -> bytes:
@@ -419,7 +422,7 @@ def _another(words: list[bytes], *, prefix: str = PREFIX, model: str = TEST_MODE
             for i, w in enumerate(words)]
 
 
-SHAPE = f"expected 2 + N keys and 1 + 3N arguments, N from 1 to {MAX_JOBS}"
+SHAPE = f"expected 3 + N keys and 1 + 4N arguments, N from 1 to {MAX_JOBS}"
 STREAM_OF_LANE = "KEYS[1] is not the stream of the lane"
 
 
@@ -442,12 +445,15 @@ def _bad_calls() -> dict[str, tuple[list[bytes], list[bytes], str]]:
         # Keys past the jobs' owners are owner keys of the call's ids in other partitions:
         # job 2's owner key without job 2 is not one.
         "an owner key without its job's arguments": (
-            k, a[:-3], f"KEYS[{len(k)}] is not an owner key of a job of the call"),
+            k, a[:-4], f"KEYS[{len(k)}] is not an owner key of a job of the call"),
         "an earlier owner key of another id": (
             [*k, key("owner", "b3")], a,
             f"KEYS[{len(k) + 1}] is not an owner key of a job of the call"),
         "revision 2's call of one job": (
-            one_k, [one_a[0], one_a[1], b"rid", one_a[2], b"job", one_a[3]], SHAPE),
+            one_k, [one_a[0], one_a[1], b"rid", one_a[2], b"job", one_a[4]], SHAPE),
+        # Library version 1 (revision 6): no charges hash, no charge.
+        "revision 6's call of two jobs": (
+            [k[0], k[1], *k[3:]], [a[0], a[1], a[2], a[4], a[5], a[6], a[8]], SHAPE),
         "unknown lane": (k, [b"vip", *a[1:]], "unknown lane"),
         "the lane of another stream": (k, [b"interactive", *a[1:]], STREAM_OF_LANE),
         "a stream that is no lane's": ([b"x:{m}:queue", *k[1:]], a, STREAM_OF_LANE),
@@ -457,13 +463,21 @@ def _bad_calls() -> dict[str, tuple[list[bytes], list[bytes], str]]:
             _another(k, model="m" * (NAME_CHARS + 1)), a, STREAM_OF_LANE),
         "the limits of another model": (_another(k, model="other", at=1), a,
                                         "KEYS[2] is not the limits hash"),
-        "the owner key of another model": (_another(k, model="other", at=2), a,
-                                           "KEYS[3] is not the owner key of job 1"),
-        "the owner key of another request id": ([*k[:3], key("owner", "zz")], a,
-                                                "KEYS[4] is not the owner key of job 2"),
-        "the owner keys in the other order": ([*k[:2], k[3], k[2]], a,
-                                              "KEYS[3] is not the owner key of job 1"),
+        "the charges of another model": (_another(k, model="other", at=2), a,
+                                         "KEYS[3] is not the charges hash of the lane"),
+        "the charges of the other lane": (
+            [*k[:2], k[2].replace(b":bulk", b":interactive"), *k[3:]], a,
+            "KEYS[3] is not the charges hash of the lane"),
+        "the owner key of another model": (_another(k, model="other", at=3), a,
+                                           "KEYS[4] is not the owner key of job 1"),
+        "the owner key of another request id": ([*k[:4], key("owner", "zz")], a,
+                                                "KEYS[5] is not the owner key of job 2"),
+        "the owner keys in the other order": ([*k[:3], k[4], k[3]], a,
+                                              "KEYS[4] is not the owner key of job 1"),
     }
+    for charge in ("-1", "1.5", "", "1e3", "+5", " 5", "1" * (CHARGE_DIGITS + 1)):
+        cases[f"charge {charge!r}"] = (*call_parts([two[0], job("b2", charge=charge)]),
+                                       "charge of job 2 must be a non-negative integer")
     for rid in ("b2\n", "", "has space", "é", "r" * (RID_CHARS + 1)):
         cases[f"request id {rid[:8]!r}"] = (*call_parts([two[0], job(rid)]),
                                              "unusable request id of job 2")

@@ -131,7 +131,7 @@ def test_the_reply_list_path_costs_three_calls_a_job_and_the_rest_per_group(
     assert calls.get("set", 0) <= 2 * N_JOBS + 20, calls  # + the fleet status keys
     assert "exists" not in calls and "rpush" in calls, calls
     # Paid per group (a write, a pop, a submission), not per job.
-    assert _per_job(calls, "pexpire", "rpush", "get", "fcall", "hget") < 0.5, calls
+    assert _per_job(calls, "pexpire", "rpush", "get", "fcall", "hget", "hmget") < 0.5, calls
     # Each flush (one MULTI) costs its transaction, acknowledgement, delete, wake-ups and
     # the reads that filled it, 9-10 calls measured; how many jobs share one moves with
     # how fast decoding and the model keep pace: 72 flushes on a quiet run (3.69 calls a

@@ -10,8 +10,8 @@ NOTE [ Functions, not scripts ]
   still needs (and has) the commands the functions run on its models' keys (XADD and XDEL
   of the lanes, SET of owner keys); see PROTOCOL.md "Trust model".
 
-  Versions: the library's name carries its version (``redbatch_v1``) and so does each
-  function's (``redbatch_v1_admit``). A new version is a new library loaded beside the old
+  Versions: the library's name carries its version (``redbatch_v2``) and so does each
+  function's (``redbatch_v2_admit``). A new version is a new library loaded beside the old
   one, so a client calling the old names keeps working while anything still loads them;
   ``FUNCTION LOAD REPLACE`` of the same version is idempotent.
 """
@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from redbatch.common.protocol.admission import ADMIT_SCRIPT
 from redbatch.common.protocol.lifecycle import CANCEL_SCRIPT, STATUS_SCRIPT
 
-LIBRARY_VERSION = 1
+LIBRARY_VERSION = 2
 """Version of the function library; a change of any function's behaviour raises it."""
 LIBRARY_NAME = f"redbatch_v{LIBRARY_VERSION}"
 ADMIT_FUNCTION = f"{LIBRARY_NAME}_admit"

@@ -124,6 +124,28 @@ def parse_request(payload: bytes, max_new_tokens: int = MAX_NEW_TOKENS) -> Gener
         _stops(data.get("stop", [])))
 
 
+def job_charge(payload: bytes, content_type: str) -> int:
+    """A job's charge against its lane's token bound (PROTOCOL.md "Admission control"),
+    the admission call's ``<charge>``: for a generation payload (JSON, at most
+    MAX_PAYLOAD_BYTES, a map holding ``prompt`` or ``messages``) its length in bytes plus
+    its ``max_new_tokens`` (DEFAULT_MAX_NEW_TOKENS when absent or not an integer from 1 to
+    MAX_NEW_TOKENS); 0 for any other job. Bytes stand in for the prompt's tokens, which
+    only the worker can count: a byte-level BPE token spans one byte of text or more, and
+    the JSON around the text pays for most of the chat template's tokens."""
+    if content_type != CONTENT_TYPE or len(payload) > MAX_PAYLOAD_BYTES:
+        return 0
+    try:
+        data = json.loads(payload)
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deep
+        return 0
+    if not isinstance(data, dict) or not ("prompt" in data or "messages" in data):
+        return 0
+    new = data.get("max_new_tokens")
+    if isinstance(new, int) and not isinstance(new, bool) and 1 <= new <= MAX_NEW_TOKENS:
+        return len(payload) + new
+    return len(payload) + DEFAULT_MAX_NEW_TOKENS
+
+
 def chunk_id(index: int) -> str:
     """The entry id of chunk ``index`` (from 1) of a token stream."""
     return f"0-{index}"

@@ -190,8 +190,17 @@ class Keys:
 
     def limits(self) -> str:
         """Hash of queue bounds: field = lane name, value = most entries its stream may
-        hold for a new job to be admitted (absent: unbounded). See ADMIT_SCRIPT."""
+        hold for a new job to be admitted (absent: unbounded); field ``<lane>:tokens``
+        (token_bound_field), the most tokens its queued jobs may be charged. See
+        ADMIT_SCRIPT."""
         return f"{self._base}:limits"
+
+    def charges(self, lane: Lane) -> str:
+        """Hash of what a lane's queued jobs are charged against its token bound: field =
+        stream entry id, value = the job's charge in tokens. Written by the admission
+        script only while the lane has a token bound; workers delete the field with the
+        entry (PROTOCOL.md "Admission control")."""
+        return f"{self._base}:charges:{Lane(lane).value}"
 
     def workers(self) -> str:
         """Sorted set of the model's workers: member = consumer name, score = its last
@@ -214,6 +223,11 @@ class Keys:
 
 
 _STREAM_TAIL_RE = re.compile(r"\{[^{}#]+(?:#([1-9][0-9]*))?\}:jobs:([a-z]+)$")
+
+
+def token_bound_field(lane: Lane) -> str:
+    """The limits-hash field of a lane's token bound: ``<lane>:tokens``."""
+    return f"{Lane(lane).value}:tokens"
 
 
 def stream_partition(key: str) -> tuple[int, Lane]:

@@ -108,7 +108,7 @@ class GenerationWorker:
                                                   engine.pool.blocks)
             metrics.started(s.consumer, __version__, "cpu", 0, 0)
             self._health.model_loaded = True
-            intake, writer = connect_model(s, metrics, self._health, self._stop)
+            intake, writer = connect_model(s, metrics, self._health, self._stop, charges=True)
             tokens = TokenStreams(connect(s.redis), s.consumer, s.result_ttl_s * 1000)
             beat = Heartbeat.for_worker(connect(s.redis), intake.keys, s.consumer, "cpu",
                                         s.generation.max_running, lambda: self._inflight,

@@ -182,8 +182,12 @@ class ResultWriter:
 
     def __init__(self, r: redis.Redis, keys: Keys, worker: str, ttl_s: int,
                  wait: ReplicaWait | None = None,
-                 waited: Callable[[Replication], None] | None = None) -> None:
+                 waited: Callable[[Replication], None] | None = None,
+                 charges: bool = False) -> None:
         self._redis = r
+        #: Whether the transaction also deletes each entry's charge (a generation model's
+        #: lanes may have token bounds: PROTOCOL.md "Admission control"), one HDEL a lane.
+        self._charges = charges
         #: The WAIT after each transaction, and who counts what it said (NOTE [ Replicas ]).
         self._wait = wait
         self._waited = waited
@@ -306,7 +310,8 @@ class ResultWriter:
         writer = self._siblings.get(partition)
         if writer is None:
             writer = ResultWriter(self._redis, self.keys.part(partition), self.worker,
-                                  self._ttl_ms // 1000, self._wait, self._waited)
+                                  self._ttl_ms // 1000, self._wait, self._waited,
+                                  self._charges)
             self._siblings[partition] = writer
         return writer
 
@@ -396,6 +401,10 @@ class ResultWriter:
             pipe.xack(stream, GROUP, *ids)
             pipe.xdel(stream, *ids)
             ops += [_Op((), f"XACK {stream}"), _Op((), f"XDEL {stream}")]
+            if self._charges:
+                charges = self.keys.charges(stream_partition(stream)[1])
+                pipe.hdel(charges, *ids)
+                ops.append(_Op((), f"HDEL {charges}"))
         return ops
 
     def _announce(self, pipe: Any, answers: Sequence[Answer],

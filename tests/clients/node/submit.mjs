@@ -78,6 +78,7 @@ const streamKey = `${prefix}:{${model}}:jobs:interactive`;
 const resultKey = `${prefix}:{${model}}:result:${rid}`;
 const doneKey = `${prefix}:{${model}}:done:${rid}`;
 const limitsKey = `${prefix}:{${model}}:limits`;
+const chargesKey = `${prefix}:{${model}}:charges:interactive`;
 const ownerKey = `${prefix}:{${model}}:owner:${rid}`;
 const tokensKey = `${prefix}:{${model}}:tokens:${rid}`;
 
@@ -162,6 +163,9 @@ if (lookup) {
 }
 
 let job;
+// The job's charge against a token bound ("Admission control"): a generation payload's
+// length in bytes plus its max_new_tokens; 0 for any other job.
+let charge = 0;
 const submitted = Date.now();
 const deadline = submitted + WAIT_MS;
 if (input === '--raw-garbage') {
@@ -169,10 +173,12 @@ if (input === '--raw-garbage') {
 } else if (streaming) {
   // The generation payload: a JSON map, UTF-8, with `messages` and `max_new_tokens`.
   const body = { messages: [{ role: 'user', content: input }], max_new_tokens: maxNewTokens };
+  const payload = Buffer.from(JSON.stringify(body), 'utf8');
+  charge = payload.length + maxNewTokens;
   job = asBuffer(encode({
     v: 1,
     model,
-    payload: Buffer.from(JSON.stringify(body), 'utf8'),
+    payload,
     content_type: 'application/json',
     submitted_ms: submitted,
     deadline_ms: deadline,
@@ -201,9 +207,10 @@ await base.connect();
 const client = base.withTypeMapping({ [RESP_TYPES.BLOB_STRING]: Buffer });
 
 if (admit) {
-  // The admission function, called as the page says for a call of one job (N = 1): 2 + N
-  // keys (the lane's stream, the limits hash, the job's owner key) and 1 + 3N arguments
-  // (the lane, then the job's owner TTL, request id and envelope).
+  // The admission function, called as the page says for a call of one job (N = 1): 3 + N
+  // keys (the lane's stream, the limits hash, the lane's charges hash, the job's owner key)
+  // and 1 + 4N arguments (the lane, then the job's owner TTL, request id, charge and
+  // envelope).
   const ownerTtl = Math.max(0, deadline - submitted) + 600000;
   const refused = async (message) => {
     // Every error of the script is "CODE text": the code is the first word.
@@ -214,13 +221,14 @@ if (admit) {
   };
   let reply;
   try {
-    reply = await fcall(client, 'FCALL', 'admit', [streamKey, limitsKey, ownerKey],
-      ['interactive', String(ownerTtl), rid, job]);
+    reply = await fcall(client, 'FCALL', 'admit', [streamKey, limitsKey, chargesKey, ownerKey],
+      ['interactive', String(ownerTtl), rid, String(charge), job]);
   } catch (err) {
     await refused(err.message);         // an error for the whole call (BAD_CALL, NOPERM, ...)
   }
   // An array with one element per job: the new entry id, or an error element
-  // (QUEUE_FULL, DUPLICATE_REQUEST_ID), which node-redis hands over as an Error in the array.
+  // (QUEUE_FULL, TOKENS_FULL, DUPLICATE_REQUEST_ID), which node-redis hands over as an
+  // Error in the array.
   const [element] = Array.isArray(reply) && reply.length === 1 ? reply : [undefined];
   if (element instanceof Error) await refused(element.message);
   const entryId = Buffer.isBuffer(element) ? element.toString() : element;
