@@ -68,6 +68,13 @@ def redbatch_services(compose: dict[str, Any]) -> list[str]:
                   if s.get("command", [None, None])[:2] == ["redbatch", "worker"])
 
 
+def sweep_service(compose: dict[str, Any]) -> dict[str, Any]:
+    """The service that runs ``redbatch sweep``."""
+    (found,) = [s for s in compose["services"].values()
+                if s.get("command", [None, None])[:2] == ["redbatch", "sweep"]]
+    return dict(found)
+
+
 def gateway_service(compose: dict[str, Any]) -> dict[str, Any]:
     """The service that runs ``redbatch gateway``."""
     (found,) = [s for s in compose["services"].values()

@@ -44,6 +44,7 @@ from deploy_files import (
     rate_arguments,
     redbatch_services,
     service_env,
+    sweep_service,
 )
 from redbatch.cli.local_stack import stop_worker, wait_worker_ready
 from redbatch.common.config import (
@@ -574,3 +575,36 @@ def test_the_gateway_service_runs_its_command_from_the_workers_image(redis_url: 
     finally:
         proc.terminate()
         assert proc.wait(timeout=20) == 0 or proc.returncode == -15
+
+
+def test_the_sweep_service_runs_its_command_and_mends_what_it_finds(redis_url: str) -> None:
+    """compose's sweep: the workers' image, after a healthy Redis, always restarted; its
+    command with its environment (the URL pointed at a local redis-server) deletes an
+    owner key that names no job and gives one without a TTL a TTL, pass after pass, and a
+    SIGTERM ends it with exit code 0."""
+    compose = load_compose()
+    service = sweep_service(compose)
+    assert service["image"] == compose["services"]["worker"]["image"]
+    assert service["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert service["restart"] == "unless-stopped" and service["init"] is True
+    r = redis.Redis.from_url(redis_url)
+    keys = Keys("efficientnet_lite0")
+    r.set(keys.owner("planted"), b"x" * 1000)  # no owner value, no TTL: pinned memory
+    r.set(keys.owner("kept"), b"1712345678901-0 bulk")  # an owner value without a TTL
+    env = {**settings_free_env(), **service_env(service), "REDBATCH_REDIS_URL": redis_url}
+    env = {k: re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", v) for k, v in env.items()}
+    command = [re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", word) for word in service["command"]]
+    assert command[2:] == ["--every", "600"]
+    proc = subprocess.Popen([sys.executable, "-m", "redbatch.cli", *command[1:-1], "1"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while (r.exists(keys.owner("planted")) or r.pttl(keys.owner("kept")) < 0) \
+                and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert not r.exists(keys.owner("planted")) and r.pttl(keys.owner("kept")) > 0
+    finally:
+        proc.terminate()
+        out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err.decode(errors="replace")
+    assert out.decode().strip(), "one JSON line a pass"
