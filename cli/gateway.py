@@ -39,10 +39,15 @@ EXTRA_HINT = "redbatch gateway needs its extra: pip install 'redbatch[gateway]'"
        type=click.IntRange(min=1), default=default_of(GatewaySettings, "submit_calls_in_flight"),
        help="Admission calls of one tenant out at once; requests arriving meanwhile go "
             "together in the next call.")
+@o.opt("--sse-keepalive-s", env="GATEWAY_SSE_KEEPALIVE_S", type=click.FloatRange(min=0.01),
+       default=default_of(GatewaySettings, "sse_keepalive_s"),
+       help="Longest silence of a streamed answer: a stream starts after this long without "
+            "its first chunk, and sends a comment line whenever no chunk came for this "
+            "long, so that proxies keep it open.")
 @o.LOG_LEVEL()
 def gateway(redis_url: str | None, prefix: str, host: str, port: int, models: tuple[str, ...],
             tenants: Path | None, default_timeout_s: float, submit_calls_in_flight: int,
-            log_level: str) -> None:
+            sse_keepalive_s: float, log_level: str) -> None:
     """Serve the OpenAI-compatible HTTP gateway: /v1/chat/completions, /v1/completions,
     /v1/embeddings, native /v1/models/M/jobs and /v1/jobs/ID, /v1/models, /metrics,
     /healthz, /readyz.
@@ -65,7 +70,8 @@ def gateway(redis_url: str | None, prefix: str, host: str, port: int, models: tu
         raise click.UsageError(str(e)) from None
     url = redis_url or DEFAULT_REDIS_URL
     settings = GatewaySettings(host=host, port=port, default_timeout_s=default_timeout_s,
-                               submit_calls_in_flight=submit_calls_in_flight)
+                               submit_calls_in_flight=submit_calls_in_flight,
+                               sse_keepalive_s=sse_keepalive_s)
     app = create_app(Gateway(settings, url, known, names, prefix))
     click.echo(f"redbatch gateway: http://{host}:{port} on {redact_url(url)}, models "
                f"{', '.join(names)}, {len(known.all)} tenant(s)"

@@ -292,6 +292,11 @@ class GatewaySettings:
     retry_after_s: int = 1
     #: Longest wait of GET /v1/jobs/{id}?wait=S, s.
     max_poll_s: float = 30.0
+    #: Longest silence of a streamed answer, s: a stream waits this long at most for its
+    #: first chunk before its response starts, and sends an SSE comment (``: keep-alive``)
+    #: whenever no chunk came for this long, so that no proxy closes a queued job's stream
+    #: (nginx's and most load balancers' idle timeouts are 60 s).
+    sse_keepalive_s: float = 15.0
     #: Connections each tenant's client may open to Redis: every wait makes a call or two,
     #: and redis-py's asyncio pool (100 by default) refuses the call past its size at once.
     redis_connections: int = 2000

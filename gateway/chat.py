@@ -10,15 +10,20 @@ Each request is one generation job, submitted as every job is (the tenant's hold
 admission function, lanes, the deadline ``timeout``). Not streamed, the answer is the job's
 result. Streamed, the events come from the job's token stream (PROTOCOL.md "Token
 stream"), each named ``<job id>/<chunk index>``; the first chunk is awaited before the
-response starts, so a job refused as it is read (``bad_input``, ``expired``) is still an
-HTTP error. A client that reconnects with ``Last-Event-ID`` reads on after that chunk and
-submits nothing. A client that disconnects before the answer ends stops the job (it is
-cancelled where it is queued and ends at its next step where it runs) unless it sent
-``X-Redbatch-On-Disconnect: keep``; the events route only reads.
+response starts, for ``sse_keepalive_s`` at most, so a job refused as it is read
+(``bad_input``, ``expired``) is still an HTTP error. A job still queued by then gets its
+response started with a comment line (``: keep-alive``), and one every
+``sse_keepalive_s`` while no chunk comes, so that no proxy or load balancer closes a quiet
+stream; a failure after that is an ``error`` event. A client that reconnects with
+``Last-Event-ID`` reads on after that chunk and submits nothing. A client that disconnects
+before the answer ends stops the job (it is cancelled where it is queued and ends at its
+next step where it runs) unless it sent ``X-Redbatch-On-Disconnect: keep``; the events
+route only reads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -55,6 +60,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 #: HTTP status of a request whose client left before its answer (nginx's; never seen).
 CLIENT_GONE = 499
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: What a stream sends while no chunk comes (an SSE comment: every reader skips it).
+KEEP_ALIVE = b": keep-alive\n\n"
 
 
 async def chat_completions(request: Request, gateway: Gateway) -> Response:
@@ -85,10 +92,12 @@ async def _generate(request: Request, gateway: Gateway, kind: str) -> Response:
     job = Job(gateway, tenant, ask.model, rid, keep)
     if not ask.stream:
         return await _answer(request, job, ask, timeout_s)
-    chunks = gateway.chunks(tenant, ask.model, rid, after or 0, timeout_s)
+    chunks = _Paced(gateway.chunks(tenant, ask.model, rid, after or 0, timeout_s),
+                    s.sse_keepalive_s)
     try:
-        first = await until_disconnect(request, anext(chunks))
+        first = await until_disconnect(request, chunks.within())
     except ClientGone:
+        await chunks.aclose()
         await job.left()
         return Response(status_code=CLIENT_GONE)
     except RedbatchError as e:
@@ -97,6 +106,33 @@ async def _generate(request: Request, gateway: Gateway, kind: str) -> Response:
     stream = _events(request, job, ask, first, chunks, after is None)
     return StreamingResponse(stream, media_type="text/event-stream",
                              headers={**SSE_HEADERS, "X-Request-Id": job.public})
+
+
+class _Paced:
+    """A job's chunks with the silences marked: ``within()`` waits ``every_s`` at most for
+    the next chunk and returns None when none came, leaving the read going (no chunk is
+    lost to a timeout)."""
+
+    def __init__(self, chunks: AsyncIterator[Chunk], every_s: float) -> None:
+        self._chunks, self._every_s = chunks, every_s
+        self._next: asyncio.Future[Chunk] | None = None
+
+    async def within(self) -> Chunk | None:
+        """The next chunk, or None after ``every_s`` without one; raises what the read
+        raises (RedbatchError; StopAsyncIteration past the last chunk)."""
+        if self._next is None:
+            self._next = asyncio.ensure_future(anext(self._chunks))
+        done, _ = await asyncio.wait({self._next}, timeout=self._every_s)
+        if not done:
+            return None
+        got, self._next = self._next, None
+        return got.result()
+
+    async def aclose(self) -> None:
+        """Stop the read in progress, if any."""
+        if self._next is not None:
+            self._next.cancel()
+            self._next = None
 
 
 async def _job_of(request: Request, gateway: Gateway, tenant: Tenant, ask: GenerationAsk,
@@ -148,27 +184,35 @@ async def _answer(request: Request, job: Job, ask: GenerationAsk, timeout_s: flo
                         headers={"X-Request-Id": job.public})
 
 
-async def _events(request: Request, job: Job, ask: GenerationAsk, first: Chunk,
-                  rest: AsyncIterator[Chunk], from_start: bool) -> AsyncIterator[bytes]:
-    """The response's events: ``first``, then the rest as they come. A stream cut by the
-    client (Starlette cancels this generator) stops the job, in the background, since
-    nothing here may await once cancelled."""
+async def _events(request: Request, job: Job, ask: GenerationAsk, first: Chunk | None,
+                  rest: _Paced, from_start: bool) -> AsyncIterator[bytes]:
+    """The response's events: ``first`` (None: none came in time, so a keep-alive), then
+    the rest as they come, a keep-alive in each silence. A stream cut by the client
+    (Starlette cancels this generator) stops the job, in the background, since nothing
+    here may await once cancelled."""
     metrics = request.app.state.metrics
     metrics.streams.inc()
-    created, ended = int(time.time()), False
+    created, ended, chunk = int(time.time()), False, first
     try:
-        yield events(ask, job.public, [first], created, from_start)
-        ended = first.finish is not None
-        while not ended:
-            chunk = await anext(rest)
-            yield events(ask, job.public, [chunk], created, False)
-            ended = chunk.finish is not None
+        while True:
+            if chunk is None:
+                yield KEEP_ALIVE
+            else:
+                yield events(ask, job.public, [chunk], created, from_start)
+                from_start = False
+                if chunk.finish is not None:
+                    ended = True
+                    return
+            chunk = await rest.within()
+    except StopAsyncIteration:  # the stream stopped without a last chunk: nothing to add
+        ended = True
     except RedbatchError as e:  # the deadline passed, Redis away for longer than it
         ended = True
         yield _error_event(job.public, from_error(e, job.gateway.settings.retry_after_s))
     finally:
         metrics.streams.dec()
         job.gateway.in_background(job.release() if ended else job.left())
+        job.gateway.in_background(rest.aclose())
 
 
 def _error_event(job_id: str, error: ApiError) -> bytes:
@@ -190,25 +234,28 @@ async def job_events(request: Request, gateway: Gateway) -> Response:
     s = gateway.settings
     timeout_s = (parse_timeout(request.query_params.get("timeout"), s.max_timeout_s)
                  or s.generation_timeout_s)
-    chunks = gateway.chunks(tenant, model, rid, after, timeout_s)
+    chunks = _Paced(gateway.chunks(tenant, model, rid, after, timeout_s), s.sse_keepalive_s)
     try:
-        first = await until_disconnect(request, anext(chunks))
+        first = await until_disconnect(request, chunks.within())
     except ClientGone:
+        await chunks.aclose()
         return Response(status_code=CLIENT_GONE)
     except RedbatchError as e:
         raise from_error(e, gateway.settings.retry_after_s) from None
 
     async def stream() -> AsyncIterator[bytes]:
         chunk = first
-        while True:
+        try:
+            while chunk is None or chunk.finish is None:
+                yield KEEP_ALIVE if chunk is None else _native_event(public, chunk)
+                chunk = await chunks.within()
             yield _native_event(public, chunk)
-            if chunk.finish is not None:
-                return
-            try:
-                chunk = await anext(chunks)
-            except RedbatchError as e:
-                yield _error_event(public, from_error(e, gateway.settings.retry_after_s))
-                return
+        except StopAsyncIteration:
+            return
+        except RedbatchError as e:
+            yield _error_event(public, from_error(e, gateway.settings.retry_after_s))
+        finally:
+            gateway.in_background(chunks.aclose())
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 

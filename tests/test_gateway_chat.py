@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -50,6 +52,9 @@ class Stack:
     port: int
     admin: redis.Redis
     log: Path
+    redis_url: str
+    tenants: Path
+    worker: subprocess.Popen[bytes]
 
     def openai(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0,
@@ -82,7 +87,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             wait_worker_ready(server.url, KEYS, worker, timeout_s=180)
             url = f"http://127.0.0.1:{port}"
             _wait_http(url, gateway, log, 60)
-            yield Stack(url, port, admin, log)
+            yield Stack(url, port, admin, log, server.url, tenants, worker)
         finally:
             gateway.terminate()
             gateway.wait(timeout=20)
@@ -121,6 +126,8 @@ def sse(response: http.client.HTTPResponse, events: int | None = None) -> list[d
         if not line:
             break
         text = line.decode().rstrip("\n")
+        if text.startswith(":"):
+            continue  # a comment (a keep-alive): EventSource skips it
         if not text:
             if event:
                 found.append(event)
@@ -271,3 +278,45 @@ def test_refusals_are_http_errors_with_the_protocol_code(
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{stack.url}/v1", api_key="sk-wrong", max_retries=0)\
             .chat.completions.create(model=MODEL, messages=COUNT)  # type: ignore[arg-type]
+
+
+def test_a_stream_kept_waiting_is_kept_alive_and_then_answered(stack: Stack,
+                                                              tmp_path: Path) -> None:
+    """A gateway with --sse-keepalive-s 0.2, and the worker paused (SIGSTOP) so that the
+    job waits unread: the response starts within about that long, with comment lines
+    (``: keep-alive``) every 0.2 s while no chunk comes, which proxies see as traffic and
+    EventSource readers skip; once the worker goes on, the answer follows in the same
+    stream, and the job's native events read back the same chunks."""
+    port, log = free_port(), tmp_path / "gateway.log"
+    with open(log, "wb") as out:
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "redbatch.cli", "gateway", "--redis", stack.redis_url,
+             "--port", str(port), "--model", MODEL, "--tenants", str(stack.tenants),
+             "--sse-keepalive-s", "0.2"],
+            env=settings_free_env(), stdout=out, stderr=subprocess.STDOUT)
+    quiet = Stack(f"http://127.0.0.1:{port}", port, stack.admin, log, stack.redis_url,
+                  stack.tenants, stack.worker)
+    try:
+        _wait_http(quiet.url, gateway, log, 60)
+        os.kill(stack.worker.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            response = post(quiet, "/v1/chat/completions",
+                            {"model": MODEL, "messages": COUNT, "max_tokens": 8,
+                             "stream": True})
+            assert response.status == 200, response.read()
+            assert time.monotonic() - started < 5
+            assert [response.readline() for _ in range(4)] == [b": keep-alive\n", b"\n"] * 2
+        finally:
+            os.kill(stack.worker.pid, signal.SIGCONT)
+        found = sse(response)
+        assert found[-1]["data"] == "[DONE]" and "error" not in {e.get("event") for e in found}
+        assert chat_text(found), found
+        job = response.getheader("X-Request-Id")
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("GET", f"/v1/jobs/{job}/events", headers={"Authorization": f"Bearer {KEY}"})
+        native = sse(conn.getresponse())
+        assert "".join(json.loads(e["data"])["text"] for e in native) == chat_text(found)
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=20)
