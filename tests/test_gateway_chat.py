@@ -33,7 +33,7 @@ import redis
 from conftest import settings_free_env
 from redbatch.cli.local_stack import spawn_worker, stop_worker, wait_worker_ready
 from redbatch.cli.redis_server import RedisServer, free_port
-from redbatch.common.protocol import Keys
+from redbatch.common.protocol import Keys, Lane, token_bound_field
 from test_acl import cli, url_of
 from test_gateway import _wait_http
 
@@ -320,3 +320,21 @@ def test_a_stream_kept_waiting_is_kept_alive_and_then_answered(stack: Stack,
     finally:
         gateway.terminate()
         gateway.wait(timeout=20)
+
+
+def test_a_lane_at_its_token_bound_is_a_429(stack: Stack) -> None:
+    """A chat request whose charge does not fit under the lane's token bound is refused at
+    once, 429 queue_full with Retry-After, as the tenant's own user (its ACL holds what the
+    admission function runs for a token bound); nothing is queued."""
+    field = token_bound_field(Lane.INTERACTIVE)
+    stack.admin.hset(KEYS.limits(), field, 50)
+    try:
+        queued = stack.admin.xlen(KEYS.stream(Lane.INTERACTIVE))
+        response = post(stack, "/v1/chat/completions",
+                        {"model": MODEL, "messages": COUNT, "max_tokens": 8, "stream": True})
+        assert response.status == 429 and response.getheader("Retry-After") == "1"
+        error = json.loads(response.read())["error"]
+        assert error["code"] == "queue_full" and "50 tokens" in error["message"], error
+        assert stack.admin.xlen(KEYS.stream(Lane.INTERACTIVE)) == queued
+    finally:
+        stack.admin.hdel(KEYS.limits(), field)
