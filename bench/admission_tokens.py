@@ -6,10 +6,11 @@ Submits generation jobs one a call (the Python client, as ``Client.generate`` do
 a private Redis: without a token bound, then with one while the lane already holds
 ``--held`` charged jobs, and last with the lane full, so that every call is refused after
 the recount. Redis's own time per admission call (INFO commandstats, ``fcall``) is what
-every other client of that Redis waits behind: the function sums the lane's charges
-(HVALS) on every call, and a refusal first recounts them, at most once a second (XINFO
-GROUPS, XPENDING of the running jobs, HGETALL). Prints µs per call and, last, the ratios
-to the call without a bound.
+every other client of that Redis waits behind: while a job fits, the function reads the
+lane's ``total`` (one HGET); one that does not fit by it sums the charges (HVALS), and a
+refusal recounts them too, at most once a second (XINFO GROUPS, XPENDING of the running
+jobs, HGETALL): NOTE [ Token charges ] in common/protocol/admission.py. Prints µs per
+call and, last, the ratios to the call without a bound.
 """
 
 from __future__ import annotations

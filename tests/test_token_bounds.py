@@ -22,6 +22,7 @@ from redbatch.producer.client import Client, QueueFull, RedisRefusedCall
 
 JSON = "application/json"
 RECOUNTED = b"recounted"  # the charges hash's field of the last recount's time
+TOTAL = b"total"  # its field of the charges the last admission left
 
 
 def prompt(text: str, max_new_tokens: int | None = 100) -> bytes:
@@ -56,7 +57,7 @@ def test_a_jobs_charge_is_its_generation_payloads_bytes_plus_its_answer(
 def _charges(r: redis.Redis, keys: Keys, lane: Lane = Lane.INTERACTIVE) -> dict[str, int]:
     """The charges held, by entry id (without the field ``recounted``)."""
     raw = cast(dict[bytes, bytes], r.hgetall(keys.charges(lane)))
-    return {k.decode(): int(v) for k, v in raw.items() if k != RECOUNTED}
+    return {k.decode(): int(v) for k, v in raw.items() if k not in (RECOUNTED, TOTAL)}
 
 
 def _entry(r: redis.Redis, keys: Keys, rid: str) -> str:
@@ -192,3 +193,31 @@ def test_a_user_who_may_not_charge_adds_nothing_under_a_token_bound(
         assert r.xlen(keys.stream(Lane.INTERACTIVE)) == 1 and not r.exists(charges)
     finally:
         r.acl_deluser(user)
+
+
+def test_a_lane_far_from_its_bound_costs_one_read_and_answers_are_summed_away(
+        client: Client, r: redis.Redis, keys: Keys) -> None:
+    """NOTE [ Token charges ]: while jobs fit, admission trusts the ``total`` field (no
+    HVALS, however many jobs the lane holds); workers leave it above what they free, and
+    an admission that would not fit by it sums the fields first, which admits the job
+    with no recount when answers freed the room."""
+    job = prompt("What is the capital of Peru?")
+    charge = job_charge(job, JSON)
+    charges = keys.charges(Lane.INTERACTIVE)
+    client.set_token_limit(Lane.INTERACTIVE, 40 * charge)
+    client.submit_many([job] * 20, content_type=JSON)  # the first call sums: no total yet
+    r.config_resetstat()
+    for _ in range(10):
+        client.submit(job, content_type=JSON)
+    stats = r.info("commandstats")
+    assert "cmdstat_hvals" not in stats and "cmdstat_hgetall" not in stats, stats
+    assert r.hget(charges, TOTAL) == f"={30 * charge}".encode()
+    assert sum(_charges(r, keys).values()) == 30 * charge
+    # A worker answers 25 of them: their entries and charges go, the total stays.
+    held = list(_charges(r, keys))[:25]
+    r.xdel(keys.stream(Lane.INTERACTIVE), *held)
+    r.hdel(charges, *held)
+    assert r.hget(charges, TOTAL) == f"={30 * charge}".encode()
+    client.submit_many([job] * 12, content_type=JSON)  # by the total 10 fit; the sum: all
+    assert len(_charges(r, keys)) == 5 + 12 and not r.hexists(charges, RECOUNTED)
+    assert r.hget(charges, TOTAL) == f"={17 * charge}".encode()

@@ -19,6 +19,17 @@ MAX_ADMIT_JOBS = 1000
 MAX_CHARGE_DIGITS = 15
 """Longest charge the admission script takes, decimal digits."""
 
+# NOTE [ Token charges ]
+#   While a lane has a token bound, P:{M}:charges:<lane> holds each admitted job's charge
+#   by entry id, and two fields of the function's own, whose values are no numbers (so no
+#   sum counts them): ``total`` (``=<n>``), the charges as the last admission left them,
+#   and ``recounted`` (``@<ms>``). Workers delete an entry's charge with the entry and
+#   leave ``total`` alone (a transaction cannot lower it only if the field was there), so
+#   ``total`` is never below what the fields hold. An admission trusts it while the job
+#   fits; one that would not fit sums the fields (HVALS) first, and one that still would
+#   not, recounts them (at most once a RECOUNT_EVERY_MS). So a lane far from its bound
+#   costs one HGET a call, and only a lane at it pays for the sum.
+
 RECOUNT_EVERY_MS = 1000
 """Least time between two recounts of a lane's charges, ms: a recount reads every charge and
 every pending entry of the lane, so refusals in a burst share one (the charges hash's field
@@ -88,7 +99,11 @@ end
 local raw = redis.call('HMGET', KEYS[2], lane, lane .. ':tokens')
 local room, bound, tokens = n, bound_of(raw[1]), bound_of(raw[2])
 if bound then room = math.max(0, math.ceil(bound - redis.call('XLEN', KEYS[1]))) end
-local left, recounted = nil, false
+local left, recounted, exact, changed = nil, false, false, false
+local function sum()
+  exact, left = true, tokens
+  for _, v in ipairs(redis.call('HVALS', KEYS[3])) do left = left - (tonumber(v) or 0) end
+end
 if tokens then
   if acl and not (acl('HSET', KEYS[3], '0-1', '1') and acl('HDEL', KEYS[3], '0-1')
                   and acl('HGET', KEYS[3], '0-1') and acl('HGETALL', KEYS[3])
@@ -96,8 +111,8 @@ if tokens then
                   and acl('XPENDING', KEYS[1], 'workers', '-', '+', '1')) then
     return redis.error_reply('NOPERM this user may not charge ' .. KEYS[3])
   end
-  left = tokens
-  for _, v in ipairs(redis.call('HVALS', KEYS[3])) do left = left - (tonumber(v) or 0) end
+  local total = (redis.call('HGET', KEYS[3], 'total') or ''):match('^=(%d+)$')
+  if total then left = tokens - tonumber(total) else sum() end
 end
 local function entry(text)
   local ms, seq = text:match('^(%d+)%-(%d+)$')
@@ -110,7 +125,7 @@ local function recount()
   local last = tonumber((redis.call('HGET', KEYS[3], 'recounted') or ''):match('^@(%d+)$'))
   if last and last <= now and now - last < {RECOUNT_EVERY_MS} then return end
   redis.call('HSET', KEYS[3], 'recounted', '@' .. now)
-  left = tokens
+  exact, left = true, tokens
   local rms, rseq, running = 0, 0, {{}}
   local groups = redis.pcall('XINFO', 'GROUPS', KEYS[1])
   for _, group in ipairs(type(groups) == 'table' and not groups.err and groups or {{}}) do
@@ -130,7 +145,7 @@ local function recount()
   local held = redis.call('HGETALL', KEYS[3])
   for j = 1, #held, 2 do
     local ms, seq = entry(held[j])
-    if held[j] == 'recounted' then
+    if held[j] == 'recounted' or held[j] == 'total' then
     elseif not ms or ((ms < rms or (ms == rms and seq <= rseq)) and not running[held[j]]) then
       redis.call('HDEL', KEYS[3], held[j])
     else
@@ -142,6 +157,10 @@ local replies = {{}}
 for i = 1, n do
   local owner, rid, charge = KEYS[3 + i], ARGV[4 * i - 1], tonumber(ARGV[4 * i])
   local over = room >= 1 and left ~= nil and charge > 0 and charge > left
+  if over and not exact then
+    sum()
+    over = charge > left
+  end
   if over and not recounted then
     recount()
     over = charge > left
@@ -158,7 +177,7 @@ for i = 1, n do
       room = room - 1
       if left ~= nil and charge > 0 then
         redis.call('HSET', KEYS[3], id, charge)
-        left = left - charge
+        left, changed = left - charge, true
       end
       replies[i] = id
     else
@@ -169,15 +188,19 @@ for i = 1, n do
     end
   end
 end
+if left ~= nil and (changed or exact) then
+  redis.call('HSET', KEYS[3], 'total', '=' .. (tokens - left))
+end
 return replies
 """
 """Admission: for each of N jobs of one lane, XADD it (with the field FIELD_ADMITTED) while
 the lane's stream holds fewer entries than its bound in :meth:`Keys.limits` and, when the
 lane has a token bound (field ``<lane>:tokens``), while the job's charge fits in what the
 charges of its queued jobs leave (:meth:`Keys.charges`: an admitted job's charge is
-recorded there, and workers delete it with the entry; before a job is refused, at most
-once a RECOUNT_EVERY_MS, the fields of entries the workers' group has read and holds no
-longer pending are deleted); and make
+recorded there, and workers delete it with the entry; before a job is refused, the
+charges are summed, and at most once a RECOUNT_EVERY_MS the fields of entries the
+workers' group has read and holds no longer pending are deleted: NOTE [ Token charges ]);
+and make
 the new entry its request id's owner (SET NX PX); an id that has an owner already takes
 its entry back out at once (XDEL), so only duplicates cost a third command. One Lua
 script, so it is atomic; every check of the call (its shape, the keys, the TTLs and
