@@ -41,6 +41,7 @@ from redbatch.common.protocol import GROUP, ErrorCode, JobEnvelope, Keys, Lane
 from redbatch.common.protocol.generation import Chunk
 from redbatch.producer.client import AsyncClient, Client, JobFailed, QueueFull, RedbatchError
 from test_foreign_client import node_client, run_client  # noqa: F401
+from test_redis_faults import wait_until
 
 MODEL = "smollm2_135m"
 KEYS = Keys(MODEL)
@@ -373,9 +374,8 @@ def test_a_token_bound_refuses_at_once_and_answered_jobs_free_their_charge(
             assert "".join(c.stream("Say hello.", max_new_tokens=4))
             long = c.submit(story, timeout_s=120)
             assert gen.xread({KEYS.tokens(long): "0-0"}, count=1, block=60_000)  # running
-            held = _until(lambda: [int(v) for v in gen.hvals(charges)
-                                   if v.isdigit()] == [story_charge])
-            assert held, gen.hgetall(charges)  # the answered two freed theirs
+            wait_until(lambda: [int(v) for v in gen.hvals(charges) if v.isdigit()]
+                       == [story_charge], 30, "the answered two to free their charges")
             with pytest.raises(QueueFull) as full:  # about 1,100 do not fit in 1,500 - 655
                 c.generate("Hi", max_new_tokens=1_024)
             assert full.value.tokens and full.value.bound == 1_500
@@ -386,8 +386,8 @@ def test_a_token_bound_refuses_at_once_and_answered_jobs_free_their_charge(
             gen.set(KEYS.stop(long), "1", px=60_000)
             assert c.result(long, timeout_s=60).raise_for_error().output[
                 "finish_reason"] == "cancelled"
-            assert _until(lambda: set(gen.hkeys(charges)) <= {b"recounted", b"total"}), \
-                gen.hgetall(charges)  # every answer freed its own charge
+            wait_until(lambda: set(gen.hkeys(charges)) <= {b"recounted", b"total"}, 30,
+                       "every answer to free its own charge")
         finally:
             c.set_token_limit(Lane.INTERACTIVE, None)
         # A charges key planted with another type fails only the worker's HDEL: the answer
@@ -399,15 +399,6 @@ def test_a_token_bound_refuses_at_once_and_answered_jobs_free_their_charge(
             assert c.generate("Say bye.", max_new_tokens=3)
         finally:
             gen.delete(charges)
-
-
-def _until(check: Any, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def _holder(r: redis.Redis, rid: str) -> str | None:
