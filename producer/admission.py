@@ -38,8 +38,9 @@ def admission_groups(jobs: Sequence[JobEnvelope], parts: Sequence[int]) -> list[
             for start in range(0, len(group), MAX_ADMIT_JOBS)]
 
 
-def admission_call(keys: Keys, jobs: Sequence[JobEnvelope], window_ms: int = IDEMPOTENCY_WINDOW_MS,
-           earlier: Sequence[str] = ()) -> Script:
+def admission_call(keys: Keys, jobs: Sequence[JobEnvelope],
+                   window_ms: int = IDEMPOTENCY_WINDOW_MS,
+                   earlier: Sequence[str] = ()) -> Script:
     """The admission function's call for jobs of one lane: its stream, the limits hash,
     the lane's charges hash, each id's owner key and the ``earlier`` owner keys of the ids
     in other partitions; the lane, then each job's owner TTL (the idempotency window
@@ -55,7 +56,7 @@ def admission_call(keys: Keys, jobs: Sequence[JobEnvelope], window_ms: int = IDE
 
 
 def replies_per_job(groups: Sequence[Sequence[int]], replies: Sequence[object],
-             count: int) -> list[object]:
+                    count: int) -> list[object]:
     """Each job's reply, in the jobs' order, from the admission calls' replies: an entry
     id or an error element, or the call's own error reply for every job of the call."""
     out: list[object] = [None] * count

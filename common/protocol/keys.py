@@ -197,9 +197,10 @@ class Keys:
 
     def charges(self, lane: Lane) -> str:
         """Hash of what a lane's queued jobs are charged against its token bound: field =
-        stream entry id, value = the job's charge in tokens. Written by the admission
-        script only while the lane has a token bound; workers delete the field with the
-        entry (PROTOCOL.md "Admission control")."""
+        stream entry id, value = the job's charge in tokens, and the script's own fields
+        ``total`` and ``recounted`` (NOTE [ Token charges ] in admission.py). Written by
+        the admission script only while the lane has a token bound; workers delete an
+        entry's field with the entry (PROTOCOL.md "Admission control")."""
         return f"{self._base}:charges:{Lane(lane).value}"
 
     def workers(self) -> str:
